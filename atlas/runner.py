@@ -1,0 +1,203 @@
+"""Run stages over a run directory: the logic that the CLI and the Prefect flow share.
+
+For each stage, in pipeline order:
+
+1. compute its hash (its identity plus the upstream hashes) and compare it with the run
+   directory's manifest: a different hash means the folder holds results of another config, and
+   the run stops unless ``--force`` was given;
+2. skip it if its ``_SUCCESS`` marker carries the same hash ("nothing to do");
+3. plan its shards and run the ones whose marker is missing, through ``map_shards`` (a plain loop,
+   or Prefect tasks);
+4. merge the shard counters into ``_stats.json``, write ``_SUCCESS`` and update the manifest.
+
+A killed run resumes at step 3 with the unfinished shards; finished shards are never redone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from atlas.config import AtlasConfig, config_from_dict
+from atlas.core.files import atomic_write_json, stable_hash
+from atlas.core.rundir import RunDir
+from atlas.core.stage import Stage
+from atlas.core.stats import Stats
+from atlas.stages import STAGES
+
+
+class RunConflict(RuntimeError):
+    """The run directory holds results computed with another configuration or input."""
+
+
+class StageFailed(RuntimeError):
+    """Some shards of a stage failed; the finished ones are kept for the next attempt."""
+
+
+@dataclass
+class StageReport:
+    name: str
+    stage_hash: str
+    num_shards: int = 0
+    ran: list[int] = field(default_factory=list)
+    skipped: bool = False
+    counters: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# Shard workers build each stage once per process and keep it, so `setup` runs once per worker.
+_WORKER_STAGES: dict[tuple[str, str], Stage] = {}
+
+
+def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) -> dict:
+    """Run one shard of one stage and write its completion marker. Safe to call in any process."""
+    key = (stage_name, stable_hash(config))
+    stage = _WORKER_STAGES.get(key)
+    if stage is None:
+        stage = STAGES[stage_name](config_from_dict(config))
+        stage.setup()
+        _WORKER_STAGES[key] = stage
+    run = RunDir(stage.config.run_dir)
+    start = time.perf_counter()
+    stats = stage.run_shard(run, shard)
+    seconds = time.perf_counter() - start
+    run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
+    return stats.to_dict()
+
+
+MapShards = Callable[[dict, str, Sequence[int], str], list[BaseException | None]]
+
+
+def map_inline(config: dict, stage_name: str, shards: Sequence[int], stage_hash: str) -> list[BaseException | None]:
+    """Run shards one after the other in this process, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    errors: list[BaseException | None] = []
+    progress = config["execution"]["progress"]
+    for shard in tqdm(shards, desc=stage_name, unit="shard", disable=not progress):
+        try:
+            run_one_shard(config, stage_name, shard, stage_hash)
+            errors.append(None)
+        except Exception as e:  # one failed shard must not stop the others
+            errors.append(e)
+    return errors
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out |= _flatten(v, key + ".") if isinstance(v, dict) else {key: v}
+    return out
+
+
+def _describe_difference(old: dict, new: dict) -> str:
+    a, b = _flatten(old), _flatten(new)
+    lines = [f"    {k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return "\n".join(lines[:10]) or "    (the stages before it changed)"
+
+
+def pipeline_order(names: Sequence[str] | None) -> list[str]:
+    if not names:
+        return list(STAGES)
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; stages are: {', '.join(STAGES)}")
+    return [n for n in STAGES if n in names]
+
+
+def run_stages(
+    config: AtlasConfig,
+    stages: Sequence[str] | None = None,
+    force: bool = False,
+    map_shards: MapShards = map_inline,
+    plan_only: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[StageReport]:
+    run = RunDir(config.run_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
+    config_dict = config.model_dump()
+    manifest = run.read_manifest()
+    if not manifest:
+        run.write_manifest({"name": config.name, "config": config_dict, "stages": {}})
+    hashes: dict[str, str] = {name: info["hash"] for name, info in manifest.get("stages", {}).items()}
+    reports = []
+    selected = pipeline_order(stages)
+    for name in selected:
+        stage = STAGES[name](config)
+        identity = stage.identity()
+        stage_hash = stage.stage_hash({up: hashes[up] for up in stage.upstream})
+        previous = run.read_manifest().get("stages", {}).get(name)
+        if previous and previous["hash"] != stage_hash:
+            if not force:
+                raise RunConflict(
+                    f"{run.root} already holds stage '{name}' computed with a different configuration or input:\n"
+                    f"{_describe_difference(previous.get('identity', {}), identity)}\n"
+                    f"Use another --run-dir, or --force to recompute '{name}' and the stages after it."
+                )
+        if force or (previous and previous["hash"] != stage_hash):
+            later = stages_after(name)
+            for stale in [name, *later]:
+                run.clear_output(STAGES[stale].output)
+            manifest = run.read_manifest()
+            for stale in [name, *later]:
+                manifest.get("stages", {}).pop(stale, None)
+            run.write_manifest(manifest)
+        hashes[name] = stage_hash
+        report = StageReport(name, stage_hash)
+        reports.append(report)
+
+        if run.is_stage_done(stage.output, stage_hash):
+            report.skipped = True
+            report.counters = run.read_manifest()["stages"][name].get("counters", {})
+            report.num_shards = run.read_manifest()["stages"][name].get("num_shards", 0)
+            log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
+            continue
+
+        started = time.time()
+        report.num_shards = stage.plan(run, stage_hash)
+        run.update_stage(name, hash=stage_hash, identity=identity, num_shards=report.num_shards,
+                         status="planned" if plan_only else "running", output=stage.output)
+        if plan_only:
+            log(f"{name}: planned {report.num_shards} shard(s) in {run.output_dir(stage.output)}")
+            continue
+        pending = [i for i in range(report.num_shards) if not run.is_shard_done(stage.output, i, stage_hash)]
+        done_before = report.num_shards - len(pending)
+        log(f"{name}: {len(pending)} shard(s) to run" + (f", {done_before} already done" if done_before else ""))
+        errors = map_shards(config_dict, name, pending, stage_hash) if pending else []
+        report.ran = [s for s, e in zip(pending, errors) if e is None]
+        failed = [(s, e) for s, e in zip(pending, errors) if e is not None]
+        if failed:
+            run.update_stage(name, status="failed", failed_shards=[s for s, _ in failed])
+            detail = "\n".join(f"  shard {s:05d}: {type(e).__name__}: {e}" for s, e in failed[:10])
+            raise StageFailed(
+                f"{name}: {len(failed)} of {report.num_shards} shard(s) failed (finished shards are kept; "
+                f"rerun the same command to retry the rest):\n{detail}"
+            )
+
+        stats, seconds = Stats(), 0.0
+        for shard in range(report.num_shards):
+            marker = run.shard_marker(stage.output, shard)
+            stats.merge(marker["counters"])
+            seconds += marker["seconds"]
+        stage.finalize(run, stats)
+        atomic_write_json(run.stats_path(stage.output), {"stage": name, "counters": stats.to_dict()})
+        run.mark_stage_done(stage.output, stage_hash)
+        report.counters, report.seconds = stats.to_dict(), seconds
+        run.update_stage(name, status="done", counters=report.counters, shard_seconds=round(seconds, 3),
+                         wall_seconds=round(time.time() - started, 3))
+        log(f"{name}: done, {_summary(report.counters)} -> {run.output_dir(stage.output)}")
+    return reports
+
+
+def stages_after(name: str) -> list[str]:
+    names = list(STAGES)
+    return names[names.index(name) + 1 :]
+
+
+def _summary(counters: dict) -> str:
+    main = [f"{k}={v}" for k, v in counters.items() if not k.startswith("dropped.")][:6]
+    drops = sum(v for k, v in counters.items() if k.startswith("dropped."))
+    return ", ".join(main + ([f"dropped={drops}"] if drops else []))

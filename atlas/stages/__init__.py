@@ -1,0 +1,5 @@
+"""All pipeline stages, in pipeline order. Each stage is one module with one class."""
+
+from atlas.stages.chunk import ChunkStage
+
+STAGES = {stage.name: stage for stage in (ChunkStage,)}

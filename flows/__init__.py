@@ -1,0 +1,1 @@
+"""Prefect flows for Atlas. Thin: they map shard tasks; the stage logic lives in ``atlas``."""

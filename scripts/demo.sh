@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# README command 1: set up, build the offline demo corpus, and run the pipeline on it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/atlas demo-corpus demo_data/corpus.jsonl
+.venv/bin/atlas run configs/demo.yaml "$@"
+.venv/bin/atlas status runs/demo
+echo
+echo "Look at a few chunks:  .venv/bin/atlas inspect runs/demo chunks -n 3"

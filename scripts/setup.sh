@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv with Python 3.11 and install Atlas with the pinned, tested versions.
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+EXTRAS="${ATLAS_EXTRAS:-dev}"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  -c requirements/constraints.txt -e ".[${EXTRAS}]"

@@ -1,0 +1,66 @@
+"""Shared fixtures. Tests run offline; ../shared/data is used when present and skipped otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data" / "dev"
+
+
+@pytest.fixture(scope="session")
+def demo_corpus(tmp_path_factory) -> Path:
+    """The README demo corpus (real text installed with Python), built once per test run."""
+    from atlas.demo_corpus import build_demo_corpus
+
+    path, _ = build_demo_corpus(tmp_path_factory.mktemp("demo") / "corpus.jsonl")
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_records(demo_corpus) -> list[dict]:
+    return [json.loads(line) for line in demo_corpus.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def dev_corpus() -> Path:
+    path = SHARED_DATA / "corpus.parquet"
+    if not path.exists():
+        pytest.skip(f"{path} is absent (the shared dev data sits beside the repository)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect backend for the whole test run (starting one costs seconds)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def write_config(tmp_path: Path, input_path: Path, **sections) -> Path:
+    """A run config in tmp_path reading input_path; keyword arguments add or replace sections."""
+    config = {
+        "name": "test",
+        "run_dir": str(tmp_path / "run"),
+        "input": {"path": str(input_path), "id_field": "id", "docs_per_shard": 10},
+        "execution": {"orchestrator": "inline", "progress": False},
+    }
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path

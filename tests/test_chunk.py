@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+
+from atlas.config import ChunkConfig, ChunkDomain
+from atlas.core.stats import Stats
+from atlas.stages.chunk import Chunker, _pack
+
+
+@pytest.fixture(scope="module")
+def chunker():
+    return Chunker(max_sentence_tokens=50_000)
+
+
+def check_chunks(chunker, text, domain, spans):
+    """The contract every chunking must keep."""
+    enc = chunker.enc
+    position = 0
+    for span in spans:
+        assert not text[position : span.start].strip(), "only whitespace may fall between chunks"
+        piece = text[span.start : span.end]
+        if domain is not None and domain.splitter == "lines":  # code keeps the indentation of its first line
+            assert piece.strip() and piece == piece.rstrip() and (span.start == 0 or text[span.start - 1] == "\n")
+        else:
+            assert piece and piece == piece.strip(), "chunks start and end on text"
+        assert span.n_tokens == len(enc.encode_ordinary(piece))
+        position = span.end
+    assert not text[position:].strip()
+
+
+def test_pack_is_greedy_and_keeps_oversized_units_alone():
+    assert _pack([50, 60, 30, 20], 150) == [(0, 3), (3, 4)]
+    assert _pack([10, 400, 10, 10], 150) == [(0, 1), (1, 2), (2, 4)]
+    assert _pack([], 150) == []
+
+
+def test_real_documents_keep_the_contract(chunker, demo_records):
+    config = ChunkConfig()
+    for record in demo_records:
+        domain = config.for_domain(record["domain"])
+        spans = chunker.split(record["text"], domain, Stats())
+        check_chunks(chunker, record["text"], domain, spans)
+        if domain.splitter == "lines":  # code: never cut inside a line
+            for span in spans:
+                assert span.start == 0 or record["text"][span.start - 1] == "\n"
+                assert span.end == len(record["text"]) or record["text"][span.end] == "\n"
+
+
+def test_sentences_are_joined_up_to_the_threshold(chunker):
+    sentence = "The quick brown fox jumps over the lazy dog again. "
+    text = sentence * 40
+    spans = chunker.split(text, ChunkDomain(max_tokens=150), Stats())
+    per_sentence = len(chunker.enc.encode_ordinary(sentence.strip()))
+    assert len(spans) > 1
+    for span in spans[:-1]:
+        assert 150 - per_sentence - 2 < span.n_tokens <= 150  # full: the next sentence would not fit
+    check_chunks(chunker, text, None, spans)
+
+
+def test_long_sentence_stays_whole_and_huge_sentence_is_dropped(chunker):
+    long_sentence = "This sentence goes on " + "and on " * 200 + "until it ends."
+    text = f"A short opening sentence. {long_sentence} A short closing sentence."
+    spans = chunker.split(text, ChunkDomain(max_tokens=150), Stats())
+    assert any(s.n_tokens > 200 and text[s.start : s.end] == long_sentence.strip() for s in spans)
+
+    small = Chunker(max_sentence_tokens=100)
+    stats = Stats()
+    spans = small.split(text, ChunkDomain(max_tokens=150), stats)
+    assert stats["sentences_dropped"] == 1 and stats["sentence_tokens_dropped"] > 200
+    assert [text[s.start : s.end] for s in spans] == ["A short opening sentence.", "A short closing sentence."]
+
+
+def test_unicode_offsets_are_string_offsets(chunker):
+    text = "Ünïcödé wörds hère. " * 30 + "Ànd möre: 東京は大きい都市です。" * 10
+    spans = chunker.split(text, ChunkDomain(max_tokens=40), Stats())
+    assert len(spans) > 3
+    check_chunks(chunker, text, None, spans)
+
+
+def test_code_is_split_at_blank_lines_then_lines(chunker):
+    block = "def f{i}(x):\n    y = x * {i}\n    return y + 1\n"
+    text = "\n\n".join(block.format(i=i) for i in range(30))
+    spans = chunker.split(text, ChunkDomain(max_tokens=60, splitter="lines"), Stats())
+    for span in spans:
+        piece = text[span.start : span.end]
+        assert piece.startswith("def ") and piece.endswith("+ 1"), "whole functions (blocks) per chunk"
+    check_chunks(chunker, text, ChunkDomain(max_tokens=60, splitter="lines"), spans)
+    one_block = "\n".join(f"x{i} = {i} * {i}" for i in range(200))  # no blank line: cut between lines
+    spans = chunker.split(one_block, ChunkDomain(max_tokens=50, splitter="lines"), Stats())
+    assert len(spans) > 5 and all(s.n_tokens <= 50 for s in spans)
+    check_chunks(chunker, one_block, ChunkDomain(max_tokens=50, splitter="lines"), spans)
+
+
+def test_dev_corpus_token_statistics(chunker, dev_corpus):
+    """On real multi-domain text, chunk sizes land near the paper's averages (text ~104-158, code ~184-288)."""
+    import pyarrow.parquet as pq
+
+    config = ChunkConfig()
+    sizes: dict[str, list[int]] = {}
+    for record in pq.read_table(dev_corpus).slice(0, 4071).to_pylist()[::4]:
+        domain = config.for_domain(record["domain"])
+        spans = chunker.split(record["text"], domain, Stats())
+        check_chunks(chunker, record["text"], domain, spans)  # n_tokens exact on real text of every domain
+        sizes.setdefault(record["domain"], []).extend(span.n_tokens for span in spans)
+    means = {d: float(np.mean(v)) for d, v in sizes.items()}
+    for domain in ("web", "academic", "qa"):
+        assert 80 <= means[domain] <= 150, means
+    assert 140 <= means["code"] <= 256 and 120 <= means["math"] <= 256, means

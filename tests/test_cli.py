@@ -1,0 +1,51 @@
+import subprocess
+import sys
+
+from conftest import write_config, write_jsonl
+
+from atlas.cli import main
+
+
+def test_help_lists_commands_and_examples():
+    out = subprocess.run([sys.executable, "-m", "atlas.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for word in ("run", "plan", "stage", "status", "inspect", "demo-corpus", "examples:"):
+        assert word in out
+
+
+def test_slurm_style_plan_then_shards_then_finalize(tmp_path, demo_records, capsys):
+    config_path = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:25]))
+    assert main(["plan", str(config_path)]) == 0
+    assert "chunk: planned 3 shard(s)" in capsys.readouterr().out
+    run_dir = str(tmp_path / "run")
+    assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "1"]) == 0  # one array task = one shard
+    assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "0", "--num-shards", "2"]) == 0  # shards 0, 2
+    assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk shard 00002: done" in out and "chunk shard 00001: already done" in out
+    assert main(["status", run_dir]) == 0
+    assert "shards 3/3 done, 0 pending" in capsys.readouterr().out
+    assert main(["run", str(config_path), "--inline"]) == 0  # finalizes: writes stats and _SUCCESS
+    assert "chunk: 0 shard(s) to run, 3 already done" in capsys.readouterr().out
+    assert main(["status", run_dir]) == 0
+    out = capsys.readouterr().out
+    assert "chunk      done" in out and "chunks_out" in out
+
+
+def test_stage_before_plan_and_bad_status_dir(tmp_path, capsys):
+    try:
+        main(["stage", "chunk", "--run-dir", str(tmp_path), "--shard", "0"])
+    except SystemExit as e:
+        assert "is not planned; run `atlas plan CONFIG` first" in str(e)
+    try:
+        main(["status", str(tmp_path)])
+    except SystemExit as e:
+        assert "not an Atlas run directory" in str(e)
+
+
+def test_inspect_shows_readable_rows(tmp_path, demo_records, capsys):
+    config_path = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:3]))
+    assert main(["run", str(config_path), "--inline"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "2", "--chars", "80"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("chunk_id=") == 2 and "n_tokens=" in out and "│ " in out and "[...]" in out

@@ -1,0 +1,68 @@
+"""The Prefect flow and a SIGKILL in the middle of `atlas run`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import write_config, write_jsonl
+from test_run import outputs
+
+from atlas.config import load_config
+from atlas.runner import run_stages
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def larger_input(tmp_path_factory, demo_records) -> Path:
+    """About 1,400 real documents (the demo corpus ten times, under new ids): long enough to kill mid-run."""
+    folder = tmp_path_factory.mktemp("larger")
+    records = [dict(r, id=f"{r['id']}#{copy}") for copy in range(10) for r in demo_records]
+    return write_jsonl(folder / "docs.jsonl", records)
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(tmp_path_factory, larger_input) -> dict:
+    folder = tmp_path_factory.mktemp("reference")
+    run_stages(load_config(write_config(folder, larger_input, input={"docs_per_shard": 20})), log=lambda m: None)
+    return outputs(folder / "run")
+
+
+def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger_input, reference_outputs, prefect_harness):
+    from flows.pipeline import run_with_prefect
+
+    config = load_config(write_config(tmp_path, larger_input, input={"docs_per_shard": 20},
+                                      execution={"orchestrator": "prefect", "workers": 2}))
+    [report] = run_with_prefect(config)
+    assert report.num_shards == 72 and len(report.ran) == 72
+    assert outputs(tmp_path / "run") == reference_outputs
+
+
+def test_sigkill_during_chunking_then_rerun_gives_identical_outputs(tmp_path, larger_input, reference_outputs):
+    config_path = write_config(tmp_path, larger_input, input={"docs_per_shard": 20},
+                               execution={"orchestrator": "prefect", "workers": 2, "progress": False})
+    markers = tmp_path / "run" / "chunks" / "_shards"
+    command = [sys.executable, "-m", "atlas.cli", "run", str(config_path)]
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    process = subprocess.Popen(command, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and (not markers.exists() or len(list(markers.glob("*.json"))) < 5):
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)  # the whole group: the CLI and Prefect's temporary server
+    process.wait()
+    done_at_kill = len(list(markers.glob("*.json")))
+    assert 5 <= done_at_kill < 72, "the kill must land in the middle of chunking"
+    assert not (tmp_path / "run" / "chunks" / "_SUCCESS").exists()
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{72 - done_at_kill} shard(s) to run, {done_at_kill} already done" in rerun.stdout + rerun.stderr
+    assert outputs(tmp_path / "run") == reference_outputs
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["stages"]["chunk"]["status"] == "done"

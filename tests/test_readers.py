@@ -1,0 +1,129 @@
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from conftest import write_jsonl
+
+from atlas.config import InputConfig
+from atlas.readers import Document, InputError, Reject, plan_shards, read_shard
+
+
+def read_all(cfg: InputConfig):
+    plan = plan_shards(cfg)
+    items = [item for shard in range(len(plan["shards"])) for item in read_shard(plan, shard, cfg)]
+    return plan, [i for i in items if isinstance(i, Document)], [i for i in items if isinstance(i, Reject)]
+
+
+def test_parquet_is_sharded_by_row_ranges_within_and_across_row_groups(tmp_path):
+    n = 1000
+    table = pa.table({"doc_id": [f"d{i}" for i in range(n)], "text": [f"text {i}" for i in range(n)]})
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=300)
+    cfg = InputConfig(path=str(tmp_path / "big.parquet"), docs_per_shard=128)
+    plan, docs, rejects = read_all(cfg)
+    assert len(plan["shards"]) == 8  # one file of 1000 rows still parallelizes
+    assert [d.doc_id for d in docs] == [f"d{i}" for i in range(n)]  # every row exactly once, in order
+    assert not rejects
+
+
+def test_jsonl_plain_gz_zst_and_text_folder(tmp_path):
+    records = [{"doc_id": f"x{i}", "text": f"document number {i}.", "domain": "math"} for i in range(25)]
+    lines = "".join(json.dumps(r) + "\n" for r in records).encode()
+    (tmp_path / "a.jsonl").write_bytes(lines)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst"):
+        plan, docs, _ = read_all(InputConfig(path=str(tmp_path / name), docs_per_shard=10))
+        assert len(plan["shards"]) == 3
+        assert [d.text for d in docs] == [r["text"] for r in records]
+        assert {d.domain for d in docs} == {"math"}
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "one.txt").write_text("First note.")
+    (folder / "sub" / "two.md").write_text("# Second\n\nA note.")
+    _, docs, _ = read_all(InputConfig(path=str(folder), default_domain="general"))
+    assert [(d.doc_id, d.domain) for d in docs] == [("one.txt", "general"), ("sub/two.md", "general")]
+
+
+def test_missing_input_and_corrupt_parquet(tmp_path):
+    with pytest.raises(InputError, match="input not found"):
+        plan_shards(InputConfig(path=str(tmp_path / "nothing.parquet")))
+    with pytest.raises(InputError, match="no input"):
+        plan_shards(InputConfig())
+    (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet at all" * 10)
+    with pytest.raises(InputError, match="garbage.parquet: not a readable Parquet file"):
+        plan_shards(InputConfig(path=str(tmp_path / "garbage.parquet")))
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({"text": ["a" * 50] * 100}), good)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[:-200])
+    with pytest.raises(InputError, match="truncated.parquet: .*corrupt or truncated"):
+        plan_shards(InputConfig(path=str(truncated)))
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    data = gzip.compress(b"".join(json.dumps({"text": "x" * 100}).encode() + b"\n" for _ in range(2000)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError, match="cut.jsonl.gz: cannot decompress"):
+        plan_shards(InputConfig(path=str(tmp_path / "cut.jsonl.gz")))
+
+
+def test_missing_text_column_lists_the_available_ones(tmp_path):
+    pq.write_table(pa.table({"doc_id": ["a"], "body": ["hello"], "url": ["u"]}), tmp_path / "x.parquet")
+    with pytest.raises(InputError) as err:
+        plan_shards(InputConfig(path=str(tmp_path / "x.parquet")))
+    message = str(err.value)
+    assert "x.parquet: no text column 'text'" in message and "available columns: doc_id, body, url" in message
+
+
+def test_bad_records_are_rejected_with_file_row_field_and_reason(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(
+        b'{"doc_id": "ok", "text": "fine"}\n'
+        b'{"doc_id": "n", "text": null}\n'
+        b'{"doc_id": "i", "text": 42}\n'
+        b'{"doc_id": "m", "body": "no text field"}\n'
+        b'{"doc_id": "u", "text": "bad \xff\xfe bytes"}\n'
+        b'{"doc_id": "j", "text": unquoted}\n'
+        b'["not", "an", "object"]\n'
+    )
+    _, docs, rejects = read_all(InputConfig(path=str(path)))
+    assert [d.doc_id for d in docs] == ["ok"]
+    got = [(r.row, r.doc_id, r.field, r.reason) for r in rejects]
+    assert got == [
+        (1, "n", "text", "null_text"),
+        (2, "i", "text", "non_string_text"),
+        (3, "m", "text", "missing_field"),
+        (4, None, "(record)", "invalid_utf8"),
+        (5, None, "(record)", "invalid_json"),
+        (6, None, "(record)", "invalid_json"),
+    ]
+    assert all(r.file == str(path) for r in rejects)
+    assert rejects[3].detail.startswith("byte 29 of the line")
+
+
+def test_parquet_null_text_is_rejected_per_row(tmp_path):
+    pq.write_table(pa.table({"doc_id": ["a", "b", "c"], "text": ["one", None, "three"]}), tmp_path / "n.parquet")
+    _, docs, rejects = read_all(InputConfig(path=str(tmp_path / "n.parquet")))
+    assert [d.doc_id for d in docs] == ["a", "c"]
+    assert [(r.row, r.doc_id, r.reason) for r in rejects] == [(1, "b", "null_text")]
+
+
+@pytest.mark.parametrize("docs_per_shard", [1, 3, 100])
+def test_duplicate_ids_are_renamed_the_same_way_however_the_input_is_sharded(tmp_path, docs_per_shard):
+    ids = ["a", "b", "a", "c", "a", "b"]
+    path = write_jsonl(tmp_path / "dups.jsonl", [{"doc_id": i, "text": f"text {n}"} for n, i in enumerate(ids)])
+    _, docs, _ = read_all(InputConfig(path=str(path), docs_per_shard=docs_per_shard))
+    assert [d.doc_id for d in docs] == ["a", "b", "a@dups.jsonl:2", "c", "a@dups.jsonl:4", "b@dups.jsonl:5"]
+    assert [d.source_doc_id for d in docs] == ids
+    assert len({d.doc_id for d in docs}) == len(ids)
+
+
+def test_records_without_id_get_a_positional_one_and_metadata_is_kept(tmp_path):
+    path = write_jsonl(tmp_path / "plain.jsonl", [{"text": "one", "url": "http://a"}, {"text": "two"}])
+    _, docs, _ = read_all(InputConfig(path=str(path), metadata_fields=["url"]))
+    assert [d.doc_id for d in docs] == ["plain:0", "plain:1"]
+    assert json.loads(docs[0].metadata) == {"url": "http://a"} and json.loads(docs[1].metadata) == {}
+    assert docs[0].data_src == "plain"
