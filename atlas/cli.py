@@ -4,7 +4,8 @@
     atlas plan CONFIG                         prepare the run directory and shard plans (for SLURM)
     atlas stage NAME --run-dir RUN --shard I [--num-shards N]   run shard(s) of one stage
     atlas status RUN                          per stage: shards done/pending, counts, drops
-    atlas inspect RUN chunks [-n 5]           a few rows, readable
+    atlas inspect RUN chunks|tags [-n 5]      a few rows, readable
+    atlas judge RUN [--sample 200]            relevance of tags to chunks, 1-5 (offline: a proxy)
     atlas demo-corpus OUT                     build the offline demo corpus
 """
 
@@ -131,6 +132,11 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _print_text(text: str, limit: int) -> None:
+    shown = text if len(text) <= limit else text[:limit] + " [...]"
+    print(textwrap.indent(shown, "    │ ", lambda line: True))
+
+
 def cmd_inspect(args) -> int:
     import pyarrow.dataset as ds
 
@@ -138,18 +144,52 @@ def cmd_inspect(args) -> int:
 
     run = RunDir(args.run_dir)
     folder = run.output_dir(args.what)
-    parts = sorted(folder.glob("part-*.parquet"))
-    if not parts:
+    if not sorted(folder.glob("part-*.parquet")):
         raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
-    table = ds.dataset([str(p) for p in parts]).head(args.n).to_pylist()
-    width = 100
-    for row in table:
+    if args.what == "tags":  # chunks with their tags, field by field
+        tags = ds.dataset(folder, format="parquet").to_table().to_pylist()
+        chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
+        texts = {r["chunk_id"]: r for r in ds.dataset(run.output_dir("chunks"), format="parquet").to_table(
+            filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
+        for chunk_id in chosen:
+            chunk = texts[chunk_id]
+            print("-" * 100)
+            print(f"chunk_id={chunk_id}  domain={chunk['domain']}  n_tokens={chunk['n_tokens']}")
+            _print_text(chunk["chunk_text"], args.chars)
+            fields: dict[str, list[str]] = {}
+            for r in tags:
+                if r["chunk_id"] == chunk_id:
+                    fields.setdefault(r["field"], []).append(r["tag_norm"])
+            for field, values in fields.items():
+                print(f"    {field}: {', '.join(values)}")
+        return 0
+    for row in ds.dataset(folder, format="parquet").head(args.n).to_pylist():
         text = row.pop("chunk_text", None)
-        print("-" * width)
+        print("-" * 100)
         print("  ".join(f"{k}={v}" for k, v in row.items() if k != "metadata"))
         if text is not None:
-            shown = text if len(text) <= args.chars else text[: args.chars] + " [...]"
-            print(textwrap.indent(shown, "    │ ", lambda line: True))
+            _print_text(text, args.chars)
+    return 0
+
+
+def cmd_judge(args) -> int:
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
+    from atlas.judge import judge_tags
+
+    manifest = RunDir(args.run_dir).read_manifest()
+    if "tag" not in manifest.get("stages", {}):
+        raise SystemExit(f"{args.run_dir}: no tags yet; run the tag stage first")
+    config = config_from_dict(manifest["config"])
+    from atlas.config import apply_override
+
+    data = config.model_dump()
+    for assignment in args.set or []:
+        apply_override(data, assignment)
+    config = config_from_dict(data)
+    summary = judge_tags(config, sample=args.sample, seed=args.seed)
+    print(json.dumps(summary, indent=2))
+    print(f"histograms and summary in {Path(args.run_dir) / 'report'}")
     return 0
 
 
@@ -203,10 +243,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a few rows of a stage's output")
     p.add_argument("run_dir")
-    p.add_argument("what", help="output folder, e.g. chunks")
+    p.add_argument("what", help="output folder: chunks, tags")
     p.add_argument("-n", type=int, default=5, help="rows to show")
     p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("judge", help="score the relevance of tags to their chunks (1-5; offline: a proxy)")
+    p.add_argument("run_dir")
+    p.add_argument("--sample", type=int, default=200, help="chunks to judge")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override the run's config, e.g. tag.llm.engine=openai tag.llm.base_url=http://host:8000/v1")
+    p.set_defaults(fn=cmd_judge)
 
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")

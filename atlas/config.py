@@ -72,6 +72,46 @@ class ChunkConfig(Section):
         return self.domains.get(domain, self.default)
 
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds prompts/ and schemas/
+
+
+class LLMConfig(Section):
+    """The engine behind the LLM steps (tagging, judging; later labeling and merging)."""
+
+    engine: Literal["offline", "openai", "vllm"] = "offline"  # offline: no LLM, runs on a laptop
+    model: str = "mistralai/Mistral-Small-3.1-24B-Instruct-2503"  # the paper's annotator (openai, vllm)
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=512, ge=1)  # per answer; an answer cut here is finish_reason "length"
+    seed: int = 0
+    # openai: any OpenAI-compatible server. The key is read from the environment variable named
+    # here and never written to configs, manifests, logs or reports.
+    base_url: str = "http://127.0.0.1:8000/v1"
+    api_key_env: str = "OPENAI_API_KEY"
+    max_concurrency: int = Field(default=16, ge=1)  # requests in flight
+    timeout_s: float = Field(default=120.0, gt=0)  # per request
+    max_retries: int = Field(default=4, ge=0)  # transport retries: HTTP 429/5xx, timeouts, lost connections
+    backoff_s: float = Field(default=1.0, ge=0)  # first wait between retries, doubled each time
+    # vllm: offline batched inference on local GPUs
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    max_model_len: int | None = 8192
+    dtype: str = "auto"
+
+
+class TagConfig(Section):
+    """Stage 1 tagging (paper 4.2.1): structured free-form tags for every chunk."""
+
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    embedding_model: str = "all-MiniLM-L6-v2"  # the offline engine's embedder (a name or a local folder)
+    prompt: str | None = None  # None: the project's prompts/tag.yaml; else a path relative to the config file
+    schema_dir: str | None = None  # None: the project's schemas/ (tags/<domain>.json, candidates/<list>.json)
+    # corpus domain -> tag schema; domains not listed use the schema of the same name, else "generic"
+    domain_schemas: dict[str, str] = Field(default_factory=dict)
+    max_attempts: int = Field(default=3, ge=1)  # answers that fail validation are asked again, then quarantined
+    batch_size: int = Field(default=256, ge=1)  # requests per engine call; also the cache's resume granularity
+
+
 class ExecutionConfig(Section):
     orchestrator: Literal["prefect", "inline"] = "prefect"  # inline: plain loop, no Prefect (debugging)
     # threads: the chunker's heavy calls (BlingFire, tiktoken) release the GIL. processes: separate Python
@@ -86,6 +126,7 @@ class AtlasConfig(Section):
     run_dir: str = "runs/atlas"  # relative paths resolve against the config file
     input: InputConfig = Field(default_factory=InputConfig)
     chunk: ChunkConfig = Field(default_factory=ChunkConfig)
+    tag: TagConfig = Field(default_factory=TagConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("name")
@@ -166,6 +207,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
     except ValidationError as e:
         raise ConfigError(_explain(e, source)) from None
     config.run_dir = str((base / config.run_dir).resolve())
+    for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir")):
+        if getattr(section, key):
+            setattr(section, key, str((base / getattr(section, key)).resolve()))
     if config.input.path and "://" not in config.input.path:
         config.input.path = str((base / config.input.path).resolve())
     return config

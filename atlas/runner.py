@@ -127,6 +127,9 @@ def run_stages(
     selected = pipeline_order(stages)
     for name in selected:
         stage = STAGES[name](config)
+        missing = [up for up in stage.upstream if up not in hashes]
+        if missing:
+            raise StageFailed(f"{name}: needs stage(s) {missing} first; run them too, e.g. --stages {','.join([*missing, name])}")
         identity = stage.identity()
         stage_hash = stage.stage_hash({up: hashes[up] for up in stage.upstream})
         previous = run.read_manifest().get("stages", {}).get(name)
@@ -163,6 +166,9 @@ def run_stages(
         if plan_only:
             log(f"{name}: planned {report.num_shards} shard(s) in {run.output_dir(stage.output)}")
             continue
+        unfinished = [up for up in stage.upstream if not run.is_stage_done(STAGES[up].output, hashes[up])]
+        if unfinished:
+            raise StageFailed(f"{name}: stage(s) {unfinished} are not finished; run them first")
         pending = [i for i in range(report.num_shards) if not run.is_shard_done(stage.output, i, stage_hash)]
         done_before = report.num_shards - len(pending)
         log(f"{name}: {len(pending)} shard(s) to run" + (f", {done_before} already done" if done_before else ""))

@@ -14,7 +14,7 @@ def test_help_lists_commands_and_examples():
 
 def test_slurm_style_plan_then_shards_then_finalize(tmp_path, demo_records, capsys):
     config_path = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:25]))
-    assert main(["plan", str(config_path)]) == 0
+    assert main(["plan", str(config_path), "--stages", "chunk"]) == 0
     assert "chunk: planned 3 shard(s)" in capsys.readouterr().out
     run_dir = str(tmp_path / "run")
     assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "1"]) == 0  # one array task = one shard
@@ -24,7 +24,7 @@ def test_slurm_style_plan_then_shards_then_finalize(tmp_path, demo_records, caps
     assert "chunk shard 00002: done" in out and "chunk shard 00001: already done" in out
     assert main(["status", run_dir]) == 0
     assert "shards 3/3 done, 0 pending" in capsys.readouterr().out
-    assert main(["run", str(config_path), "--inline"]) == 0  # finalizes: writes stats and _SUCCESS
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0  # finalizes: writes stats and _SUCCESS
     assert "chunk: 0 shard(s) to run, 3 already done" in capsys.readouterr().out
     assert main(["status", run_dir]) == 0
     out = capsys.readouterr().out
@@ -44,7 +44,7 @@ def test_stage_before_plan_and_bad_status_dir(tmp_path, capsys):
 
 def test_inspect_shows_readable_rows(tmp_path, demo_records, capsys):
     config_path = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:3]))
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "2", "--chars", "80"]) == 0
     out = capsys.readouterr().out

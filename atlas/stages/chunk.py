@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -311,12 +311,7 @@ class ChunkStage(Stage):
             stats.inc("chunks_out", len(spans))
             stats.inc("tokens_out", sum(s.n_tokens for s in spans))
         atomic_write_parquet(run.part_path(self.output, shard), pa.table(rows, schema=CHUNK_SCHEMA))
-        reject_path = run.rejects_path(self.output, shard)
-        if rejects:
-            columns = {name: [getattr(r, name) for r in rejects] for name in REJECT_SCHEMA.names}
-            atomic_write_parquet(reject_path, pa.table(columns, schema=REJECT_SCHEMA))
-        elif reject_path.exists():
-            reject_path.unlink()  # left by an earlier attempt at this shard with other input
+        run.write_rejects(self.output, shard, [asdict(r) for r in rejects], REJECT_SCHEMA)
         return stats
 
     @staticmethod

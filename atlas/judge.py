@@ -1,0 +1,139 @@
+"""The relevance judge (paper 4.2, prompt in appendix C, Figure 32).
+
+Scores (tag, chunk) pairs from 1 (absent) to 5 (central), several tags of one chunk per request.
+A score of 2 or more counts as success. With an LLM engine it uses the paper's prompt; with the
+offline engine it is an embedding-similarity **proxy**, and every output says so.
+
+    atlas judge RUN [--sample 200] [--engine openai --set tag.llm.base_url=...]
+
+writes ``RUN/report/tag_relevance.json`` and histograms of per-chunk and per-tag averages
+(``tag_relevance_per_chunk.png``, ``tag_relevance_per_tag.png``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import string
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from atlas.config import PROJECT_ROOT, AtlasConfig
+from atlas.core.files import atomic_write_bytes, atomic_write_json
+from atlas.core.rundir import RunDir
+from atlas.llm.engine import LLMRequest
+from atlas.llm.prompts import load_prompt
+
+MAX_CONCEPTS_PER_REQUEST = 26  # letters A-Z
+
+
+def judge_schema(n: int) -> dict:
+    letters = string.ascii_uppercase[:n]
+    return {"type": "object", "additionalProperties": False, "required": list(letters),
+            "properties": {c: {"type": "integer", "minimum": 1, "maximum": 5} for c in letters}}
+
+
+def _requests(samples: list[tuple[str, str, list[str]]], prompt) -> list[LLMRequest]:
+    requests = []
+    for chunk_id, text, tags in samples:
+        listing = "\n".join(f"{string.ascii_uppercase[i]}. {tag}" for i, tag in enumerate(tags))
+        requests.append(LLMRequest(
+            key=chunk_id, system=prompt.templates["system"],
+            user=prompt.render("user", text_chunk=text, concepts_with_descriptions=listing),
+            schema=judge_schema(len(tags)), schema_name="relevance",
+            context={"task": "judge", "text": text, "concepts": tags},
+        ))
+    return requests
+
+
+def _parse_scores(text: str | None, n: int) -> list[int] | None:
+    try:
+        data = json.loads(text or "")
+        scores = [int(data[c]) for c in string.ascii_uppercase[:n]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return scores if all(1 <= s <= 5 for s in scores) else None
+
+
+def _histogram(values: list[float], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    ax.hist(values, bins=np.linspace(1, 5, 17), color="#4c72b0", edgecolor="white")
+    ax.set_xlabel("average relevance (1-5)")
+    ax.set_ylabel("count")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size: int = 64) -> dict:
+    """Judge the tags of ``sample`` random tagged chunks; returns (and writes) the summary."""
+    from atlas.stages.tag import _make_engine
+
+    run = RunDir(config.run_dir)
+    tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "tag_norm"]).to_pylist()
+    by_chunk: dict[str, list[str]] = defaultdict(list)
+    for row in tags:
+        if row["tag_norm"] not in by_chunk[row["chunk_id"]]:
+            by_chunk[row["chunk_id"]].append(row["tag_norm"])
+    chosen = sorted(random.Random(seed).sample(sorted(by_chunk), min(sample, len(by_chunk))))
+    texts = {}
+    wanted = set(chosen)
+    for part in sorted(run.output_dir("chunks").glob("part-*.parquet")):
+        for row in pq.read_table(part, columns=["chunk_id", "chunk_text"]).to_pylist():
+            if row["chunk_id"] in wanted:
+                texts[row["chunk_id"]] = row["chunk_text"]
+    samples = [(c, texts[c], by_chunk[c][:MAX_CONCEPTS_PER_REQUEST]) for c in chosen]
+
+    prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_relevance.yaml",
+                         {"system": set(), "user": {"text_chunk", "concepts_with_descriptions"}})
+    engine = _make_engine(config)
+    engine.setup()
+    proxy = config.tag.llm.engine == "offline"
+    per_chunk, per_tag, all_scores, failed = {}, defaultdict(list), [], 0
+    try:
+        for start in range(0, len(samples), batch_size):
+            batch = samples[start : start + batch_size]
+            for (chunk_id, _, chunk_tags), result in zip(batch, engine.generate(_requests(batch, prompt))):
+                scores = _parse_scores(result.text, len(chunk_tags))
+                if scores is None:
+                    failed += 1
+                    continue
+                per_chunk[chunk_id] = float(np.mean(scores))
+                for tag, score in zip(chunk_tags, scores):
+                    per_tag[tag].append(score)
+                all_scores.extend(scores)
+    finally:
+        engine.close()
+
+    scores = np.array(all_scores, dtype=float)
+    tag_means = [float(np.mean(v)) for v in per_tag.values()]
+    summary = {
+        "judge": "embedding-similarity PROXY (offline engine), not an LLM judge" if proxy else
+                 f"LLM judge: {config.tag.llm.model} via {config.tag.llm.engine}",
+        "is_proxy": proxy,
+        "chunks_judged": len(per_chunk), "chunks_failed": failed, "pairs": int(scores.size),
+        "mean_score": float(scores.mean()) if scores.size else None,
+        "success_rate": float((scores >= 2).mean()) if scores.size else None,  # paper: a score >= 2 is success
+        "per_chunk_mean_success_rate": float(np.mean([m >= 2 for m in per_chunk.values()])) if per_chunk else None,
+        "score_counts": {str(s): int((scores == s).sum()) for s in range(1, 6)},
+        "unique_tags": len(per_tag),
+    }
+    report = run.root / "report"
+    label = " (proxy)" if proxy else ""
+    if per_chunk:
+        _histogram(list(per_chunk.values()), f"tag relevance per chunk{label}", report / "tag_relevance_per_chunk.png")
+        _histogram(tag_means, f"tag relevance per tag{label}", report / "tag_relevance_per_tag.png")
+    atomic_write_json(report / "tag_relevance.json", summary)
+    return summary

@@ -1,0 +1,99 @@
+"""The interface every LLM-backed step talks to, and the factory that picks an engine.
+
+A step builds ``LLMRequest`` objects (a system and a user prompt, plus the JSON schema the answer
+must follow) and hands a batch to ``engine.generate``. It gets back one ``LLMResult`` per request,
+in the same order: the raw text with its ``finish_reason`` and token counts, or an ``error`` when
+the engine could not get an answer at all (after its own transport retries). Engines never raise
+for one bad request; parsing, validating, repairing and quarantining answers is the step's job,
+so every engine's output goes through the same checks.
+
+Engines:
+
+- ``offline`` (``atlas.llm.offline``): no LLM. Real algorithms on a small embedding model
+  (keyphrase extraction, similarity to candidate lists); it reads ``request.context``.
+- ``openai`` (``atlas.llm.openai_engine``): any OpenAI-compatible server (vllm serve, SGLang,
+  llama.cpp server, Ollama, TGI).
+- ``vllm`` (``atlas.llm.vllm_engine``): offline batched ``vllm.LLM`` on local GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from atlas.config import LLMConfig
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    key: str  # unique within a batch, e.g. "<chunk_id>#<attempt>"
+    system: str
+    user: str
+    schema: dict  # JSON Schema of the answer, used for constrained decoding
+    schema_name: str = "answer"
+    context: dict = field(default_factory=dict)  # structured inputs for engines that do not read prompts
+
+
+@dataclass(slots=True)
+class LLMResult:
+    key: str
+    text: str | None = None  # the raw answer
+    finish_reason: str | None = None  # "stop", "length", ...
+    tokens_in: int = 0
+    tokens_out: int = 0
+    error: str | None = None  # e.g. "http_500", "timeout", "connection": no answer after retries
+
+
+class LLMEngine(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: LLMConfig):
+        self.config = config  # cheap: models, clients and servers are opened in setup()
+
+    def identity(self) -> dict:
+        """What determines the answers: part of the stage hash and of the request-cache key."""
+        c = self.config
+        return {"engine": self.name, "model": c.model, "temperature": c.temperature, "top_p": c.top_p,
+                "max_tokens": c.max_tokens, "seed": c.seed}
+
+    def setup(self) -> None:
+        """Load the model or open the client; check that constrained decoding really works."""
+
+    @abstractmethod
+    def generate(self, requests: list[LLMRequest]) -> list[LLMResult]:
+        """One result per request, in the same order."""
+
+    def close(self) -> None:
+        """Release the model, client or event loop."""
+
+
+# JSON Schema keywords whose keys are names chosen by the schema's author, not keywords.
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def strip_extensions(schema, _names: bool = False):
+    """A copy of ``schema`` without ``x-...`` keys (the project's annotations), which servers must not see.
+
+    Keys of name maps such as ``properties`` are property names, not keywords, so they are kept.
+    """
+    if isinstance(schema, list):
+        return [strip_extensions(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: strip_extensions(v, _names=k in _NAME_MAPS and not _names) for k, v in schema.items()
+            if _names or not (isinstance(k, str) and k.startswith("x-"))}
+
+
+ENGINES = {
+    "offline": "atlas.llm.offline:OfflineEngine",
+    "openai": "atlas.llm.openai_engine:OpenAIEngine",
+    "vllm": "atlas.llm.vllm_engine:VLLMEngine",
+}
+
+
+def make_engine(config: LLMConfig) -> LLMEngine:
+    """The engine named in ``config.engine``, imported lazily (vllm is only needed where it runs)."""
+    module_name, _, class_name = ENGINES[config.engine].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)

@@ -1,0 +1,195 @@
+"""The offline engine: real algorithms on a small embedding model, no LLM, no GPU, no network.
+
+It answers the same requests as the LLM engines, with JSON that follows the request's schema, so
+its output goes through the same validation and accounting. It reads ``request.context``:
+
+- ``task="tag"``: fields marked ``"x-atlas-offline": {"method": "keyphrases"}`` in the domain
+  schema get KeyBERT-style keyphrases: candidate 1-3 word phrases of the chunk (runs of
+  non-stopwords; identifiers split into words for code), ranked by embedding similarity to the
+  chunk, and picked with maximal marginal relevance (MMR) so they do not repeat each other. Several
+  keyphrase fields share one MMR ranking in schema order (e.g. "main" takes the most central
+  phrases, "minor" the next ones). Fields marked ``{"method": "candidates", "list": NAME}`` get the
+  entries of the finite list ``schemas/candidates/NAME.json`` most similar to the chunk, the way the
+  paper annotates its auxiliary domains against finite lists.
+- ``task="judge"``: relevance of each concept to a chunk from 1 to 5, from their cosine
+  similarity. This is a proxy for the LLM judge and is reported as one.
+
+All embeddings of a batch are computed together in a fixed order, so the same batch always gives
+the same answer (resumed shards reproduce their outputs exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import numpy as np
+
+from atlas.config import LLMConfig
+from atlas.embed import Embedder
+from atlas.llm.engine import LLMEngine, LLMRequest, LLMResult
+
+STOPWORDS = frozenset(
+    """a about above after again against all also am an and any are aren't as at be because been before being below
+    between both but by can can't cannot could couldn't did didn't do does doesn't doing don't down during each few for
+    from further had hadn't has hasn't have haven't having he he'd he'll he's her here here's hers herself him himself
+    his how how's i i'd i'll i'm i've if in into is isn't it it's its itself let's me more most mustn't my myself no nor
+    not of off on once only or other ought our ours ourselves out over own same shan't she she'd she'll she's should
+    shouldn't so some such than that that's the their theirs them themselves then there there's these they they'd
+    they'll they're they've this those through to too under until up very was wasn't we we'd we'll we're we've were
+    weren't what what's when when's where where's which while who who's whom why why's with won't would wouldn't you
+    you'd you'll you're you've your yours yourself yourselves one two three also may might must shall will just like
+    get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus therefore
+    q a re subject writes wrote article""".split()
+)
+CODE_STOPWORDS = frozenset(
+    """def return self cls none true false import from class if else elif for while in is not and or pass break continue
+    try except finally raise with as lambda yield assert del global nonlocal print len range int str float list dict
+    set tuple bool object args kwargs init main name doc test tests param params type value values result res tmp temp
+    var val arr num idx i j k n m x y z a b c d e f g h p q r s t u v w l o function var let const new public private
+    static void null this return true false string int32 int64 elif np os sys re typing optional any""".split()
+)
+WORD = re.compile(r"[A-Za-z][A-Za-z'+#]*[A-Za-z+#]|[A-Za-z]")
+IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+CAMEL = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+MAX_CANDIDATES = 20  # phrases embedded per chunk, after a cheap frequency/length pre-ranking
+MMR_DIVERSITY = 0.4  # 0: only relevance, 1: only novelty
+
+
+COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
+
+
+def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict, start: int) -> None:
+    for offset, run in enumerate(runs):
+        for n in (1, 2, 3):
+            for i in range(len(run) - n + 1):
+                phrase = " ".join(run[i : i + n])
+                if n == 1 and len(phrase) < 3:
+                    continue
+                counts[phrase] += 1
+                first.setdefault(phrase, start + offset)
+
+
+def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
+    """Maximal runs of consecutive non-stopwords."""
+    runs, run = [], []
+    for word in words:
+        if word not in stop and len(word) > 1:
+            run.append(word)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs + ([run] if run else [])
+
+
+def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:
+    """1-3 word phrases made of consecutive non-stopwords, pre-ranked by count, length and first position.
+
+    For code, phrases come from comments and docstrings (as prose) and from identifiers split into
+    words (``binary_search``, ``binarySearch`` -> "binary search"), never across two identifiers.
+    """
+    counts: Counter[str] = Counter()
+    first: dict[str, int] = {}
+    if code:
+        comments = COMMENT_OR_DOCSTRING.findall(text)
+        runs = [run for c in comments for run in _runs([w.lower() for w in WORD.findall(c)], STOPWORDS)]
+        stop = STOPWORDS | CODE_STOPWORDS
+        identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
+                       for name in IDENTIFIER.findall(text)]
+        runs += [run for parts in identifiers for run in _runs(parts, stop)]
+        _phrases_of_runs(runs, counts, first, 0)
+    else:
+        _phrases_of_runs(_runs([w.lower() for w in WORD.findall(text)], STOPWORDS), counts, first, 0)
+    ranked = sorted(counts, key=lambda p: (-counts[p] * (1 + 0.5 * p.count(" ")), first[p], p))
+    return ranked[:limit]
+
+
+def mmr(doc: np.ndarray, candidates: np.ndarray, k: int, diversity: float = MMR_DIVERSITY) -> list[int]:
+    """Indices of k candidates by maximal marginal relevance (vectors are L2-normalized)."""
+    if len(candidates) == 0 or k <= 0:
+        return []
+    relevance = candidates @ doc
+    similarity = candidates @ candidates.T
+    chosen = [int(np.argmax(relevance))]
+    while len(chosen) < min(k, len(candidates)):
+        redundancy = similarity[:, chosen].max(axis=1)
+        score = (1 - diversity) * relevance - diversity * redundancy
+        score[chosen] = -np.inf
+        chosen.append(int(np.argmax(score)))
+    return chosen
+
+
+def proxy_score(cosine: float) -> int:
+    """Cosine similarity -> the judge's 1-5 scale (bins checked by eye on MiniLM; a proxy, not a judge)."""
+    return 1 + int(np.searchsorted([0.15, 0.25, 0.35, 0.5], cosine, side="right"))
+
+
+class OfflineEngine(LLMEngine):
+    name = "offline"
+
+    def __init__(self, config: LLMConfig, embedding_model: str = "all-MiniLM-L6-v2"):
+        super().__init__(config)
+        self.embedder = Embedder(embedding_model)
+
+    def identity(self) -> dict:
+        return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
+                "max_candidates": MAX_CANDIDATES, "version": 1}
+
+    def setup(self) -> None:
+        self.embedder.setup()
+
+    def generate(self, requests: list[LLMRequest]) -> list[LLMResult]:
+        tags = [r for r in requests if r.context.get("task") == "tag"]
+        judge = [r for r in requests if r.context.get("task") == "judge"]
+        answers = self._tag(tags) | self._judge(judge)
+        return [
+            LLMResult(r.key, text=json.dumps(answers[r.key]), finish_reason="stop") if r.key in answers
+            else LLMResult(r.key, error=f"offline engine: unknown task {r.context.get('task')!r}")
+            for r in requests
+        ]
+
+    def _embed_all(self, texts: list[str]) -> dict[str, np.ndarray]:
+        unique = sorted(set(texts))  # a fixed order: the same batch gives the same vectors
+        return dict(zip(unique, self.embedder.encode(unique)))
+
+    def _tag(self, requests: list[LLMRequest]) -> dict[str, dict]:
+        if not requests:
+            return {}
+        plans = []
+        for r in requests:
+            code = r.context["domain"] == "code"
+            plans.append((r, candidate_phrases(r.context["text"], code=code)))
+        lists = {name: values for r in requests for name, values in r.context["candidates"].items()}
+        phrases = [p for _, cands in plans for p in cands] + [v for values in lists.values() for v in values]
+        vectors = self._embed_all(phrases)
+        docs = self.embedder.encode([r.context["text"] for r in requests])
+        answers = {}
+        for (request, cands), doc in zip(plans, docs):
+            properties = request.schema["properties"]
+            keyphrase_fields = [(f, p["x-atlas-offline"]["k"]) for f, p in properties.items()
+                                if p["x-atlas-offline"]["method"] == "keyphrases"]
+            order = mmr(doc, np.array([vectors[c] for c in cands]).reshape(len(cands), -1),
+                        sum(k for _, k in keyphrase_fields))
+            answer, taken = {}, 0
+            for field, k in keyphrase_fields:
+                answer[field] = [cands[i] for i in order[taken : taken + k]]
+                taken += k
+            for field, spec in properties.items():
+                offline = spec["x-atlas-offline"]
+                if offline["method"] == "candidates":
+                    values = request.context["candidates"][offline["list"]]
+                    scores = np.array([vectors[v] for v in values]) @ doc
+                    answer[field] = [values[i] for i in np.argsort(-scores, kind="stable")[: offline["k"]]]
+            answers[request.key] = {field: answer[field] for field in properties}
+        return answers
+
+    def _judge(self, requests: list[LLMRequest]) -> dict[str, dict]:
+        if not requests:
+            return {}
+        vectors = self._embed_all([c for r in requests for c in r.context["concepts"]])
+        docs = self.embedder.encode([r.context["text"] for r in requests])
+        return {
+            r.key: {chr(ord("A") + i): proxy_score(float(vectors[c] @ doc)) for i, c in enumerate(r.context["concepts"])}
+            for r, doc in zip(requests, docs)
+        }

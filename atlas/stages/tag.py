@@ -1,0 +1,202 @@
+"""Stage ``tag`` (map): chunks -> structured free-form tags (paper 4.2.1).
+
+Each chunk is tagged with the schema of its domain (``schemas/tags/<domain>.json``; ``generic``
+for other domains) through the configured engine: ``offline`` (no LLM), ``openai`` (any
+OpenAI-compatible server) or ``vllm``. Answers are parsed, repaired where harmless, validated
+against the schema and normalized; an answer that still fails is asked again (with a short note
+on what was wrong) up to ``tag.max_attempts`` times, then the chunk is quarantined in
+``tags/_rejects/`` with the raw answer and the reason.
+
+Invariant, checked for every shard: chunks tagged + chunks quarantined = chunks in.
+
+Answers are cached per shard in ``RUN/_cache/tag/`` keyed by chunk, attempt, prompt hash and
+engine identity, so a killed shard resumes without asking the engine again.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas.config import PROJECT_ROOT
+from atlas.core.files import atomic_write_parquet, sha256_bytes
+from atlas.core.rundir import RunDir
+from atlas.core.stage import Stage
+from atlas.core.stats import Stats
+from atlas.llm.cache import RequestCache
+from atlas.llm.engine import LLMRequest, LLMResult, make_engine
+from atlas.llm.prompts import load_prompt
+from atlas.tagging import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
+
+TAG_STAGE_VERSION = 1
+TAG_SCHEMA = pa.schema(
+    [("chunk_id", pa.string()), ("field", pa.string()), ("tag", pa.string()), ("tag_norm", pa.string()),
+     ("rank", pa.int16())]
+)
+QUARANTINE_SCHEMA = pa.schema(
+    [("chunk_id", pa.string()), ("domain", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
+     ("attempts", pa.int16()), ("finish_reason", pa.string()), ("raw", pa.string())]
+)
+RAW_KEPT = 4000  # characters of a quarantined raw answer kept for inspection
+PROMPT_PLACEHOLDERS = {
+    "system": set(),
+    "user": {"domain", "domain_description", "fields", "text"},
+    "repair": {"problem", "field_names"},
+}
+
+
+def _prompt_path(config) -> str:
+    return config.tag.prompt or str(PROJECT_ROOT / "prompts" / "tag.yaml")
+
+
+def _make_engine(config):
+    if config.tag.llm.engine == "offline":
+        from atlas.llm.offline import OfflineEngine
+
+        return OfflineEngine(config.tag.llm, embedding_model=config.tag.embedding_model)
+    return make_engine(config.tag.llm)
+
+
+class TagStage(Stage):
+    name = "tag"
+    output = "tags"
+    kind = "map"
+    upstream = ("chunk",)
+
+    def identity(self) -> dict:
+        _, _, files = load_schemas(self.config.tag)
+        prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
+        tag = self.config.tag.model_dump(exclude={"llm", "prompt", "schema_dir"})
+        return {
+            "version": TAG_STAGE_VERSION,
+            "tag": tag,
+            "engine": _make_engine(self.config).identity(),  # model and sampling; never the API key or URL
+            "prompt_sha256": prompt.sha256,
+            "schema_files": {f"{p.parent.name}/{p.name}": sha256_bytes(p.read_bytes()) for p in files},
+        }
+
+    def plan(self, run: RunDir, stage_hash: str) -> int:
+        return run.read_manifest()["stages"]["chunk"]["num_shards"]  # shard i of chunks -> shard i of tags
+
+    def setup(self) -> None:
+        self.schemas, self.candidates, _ = load_schemas(self.config.tag)
+        self.prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
+        self.engine = _make_engine(self.config)
+        self.engine.setup()
+
+    def schema_for(self, domain: str) -> TagSchema:
+        name = self.config.tag.domain_schemas.get(domain, domain)
+        return self.schemas.get(name, self.schemas["generic"])
+
+    def _request(self, chunk: dict, attempt: int, problem: str | None) -> LLMRequest:
+        schema = self.schema_for(chunk["domain"])
+        user = self.prompt.render("user", domain=chunk["domain"], domain_description=schema.schema["description"],
+                                  fields=schema.describe_fields(), text=chunk["chunk_text"])
+        if problem:  # a second chance, told what was wrong
+            user += "\n\n" + self.prompt.render("repair", problem=problem, field_names=", ".join(schema.fields))
+        lists = {spec["x-atlas-offline"]["list"] for spec in schema.schema["properties"].values()
+                 if spec["x-atlas-offline"]["method"] == "candidates"}
+        return LLMRequest(
+            key=f"{chunk['chunk_id']}#{attempt}",
+            system=self.prompt.templates["system"],
+            user=user,
+            schema=schema.schema,
+            schema_name=f"tags_{schema.name}",
+            context={"task": "tag", "text": chunk["chunk_text"], "domain": chunk["domain"],
+                     "candidates": {name: self.candidates[name] for name in lists}},
+        )
+
+    def _ask(self, requests: list[LLMRequest], cache: RequestCache, stats: Stats) -> list[LLMResult]:
+        """Answers from the cache where present, from the engine otherwise (and then cached)."""
+        cached = cache.get_many([r.key for r in requests])
+        missing = [r for r in requests if r.key not in cached]
+        fresh = self.engine.generate(missing) if missing else []
+        cache.put_many(fresh)
+        stats.inc("cache_hits", len(cached))
+        by_key = cached | {r.key: r for r in fresh}
+        return [by_key[r.key] for r in requests]
+
+    def run_shard(self, run: RunDir, shard: int) -> Stats:
+        chunks = pq.read_table(run.part_path("chunks", shard), columns=["chunk_id", "domain", "chunk_text"]).to_pylist()
+        stats = Stats({"chunks_in": len(chunks)})
+        cache = RequestCache(run.root / "_cache" / "tag" / f"{shard:05d}.sqlite",
+                             {"prompt": self.prompt.sha256, "engine": self.engine.identity()})
+        tagged: dict[str, dict] = {}
+        quarantined: dict[str, dict] = {}
+        batch_size = self.config.tag.batch_size
+        try:
+            for start in range(0, len(chunks), batch_size):
+                self._tag_batch(chunks[start : start + batch_size], cache, stats, tagged, quarantined)
+        finally:
+            cache.close()
+
+        if len(tagged) + len(quarantined) != len(chunks):  # never lose a chunk silently
+            raise RuntimeError(f"tag shard {shard}: {len(chunks)} chunks in, {len(tagged)} tagged, "
+                               f"{len(quarantined)} quarantined")
+        rows: dict[str, list] = {name: [] for name in TAG_SCHEMA.names}
+        for chunk in chunks:
+            for field, tags in tagged.get(chunk["chunk_id"], {}).items():
+                for rank, (tag, norm) in enumerate(tags):
+                    for key, value in zip(TAG_SCHEMA.names, (chunk["chunk_id"], field, tag, norm, rank)):
+                        rows[key].append(value)
+        stats.inc("chunks_tagged", len(tagged))
+        stats.inc("chunks_quarantined", len(quarantined))
+        stats.inc("tags_out", len(rows["tag"]))
+        atomic_write_parquet(run.part_path(self.output, shard), pa.table(rows, schema=TAG_SCHEMA))
+        ordered = [quarantined[c["chunk_id"]] for c in chunks if c["chunk_id"] in quarantined]
+        run.write_rejects(self.output, shard, ordered, QUARANTINE_SCHEMA)
+        return stats
+
+    def _tag_batch(self, chunks: list[dict], cache: RequestCache, stats: Stats, tagged: dict, quarantined: dict) -> None:
+        pending = {c["chunk_id"]: (c, None) for c in chunks}  # chunk id -> (chunk, problem of the last answer)
+        for attempt in range(1, self.config.tag.max_attempts + 1):
+            if not pending:
+                break
+            if attempt > 1:
+                stats.inc("requests_retried", len(pending))
+            requests = [self._request(chunk, attempt, problem) for chunk, problem in pending.values()]
+            results = self._ask(requests, cache, stats)
+            still_pending = {}
+            for (chunk_id, (chunk, _)), result in zip(list(pending.items()), results):
+                stats.inc("requests")
+                stats.inc("tokens_in", result.tokens_in)
+                stats.inc("tokens_out", result.tokens_out)
+                if result.finish_reason:
+                    stats.inc(f"finish_reason.{result.finish_reason}")
+                if result.error:
+                    stats.inc(f"engine_errors.{result.error}")
+                    parsed = Parsed(None, "engine_error", result.error)
+                else:
+                    parsed = parse_answer(result.text, result.finish_reason, self.schema_for(chunk["domain"]))
+                    for repair in parsed.repairs:
+                        stats.inc(f"repaired.{repair}")
+                if parsed.answer is not None:
+                    tags = {field: self._normalized(values) for field, values in parsed.answer.items()}
+                    if any(tags.values()):
+                        tagged[chunk_id] = tags
+                        if attempt > 1:
+                            stats.inc("chunks_tagged_after_retry")
+                        continue
+                    parsed = Parsed(None, "no_tags", "every tag was empty after normalization")
+                stats.inc(f"answer_problems.{parsed.problem}")
+                if attempt == self.config.tag.max_attempts:
+                    stats.drop(parsed.problem)
+                    quarantined[chunk_id] = {
+                        "chunk_id": chunk_id, "domain": chunk["domain"], "reason": parsed.problem,
+                        "detail": parsed.detail, "attempts": attempt, "finish_reason": result.finish_reason,
+                        "raw": (result.text or "")[:RAW_KEPT],
+                    }
+                else:
+                    still_pending[chunk_id] = (chunk, f"{parsed.problem}: {parsed.detail}")
+            pending = still_pending
+
+    @staticmethod
+    def _normalized(values: list[str]) -> list[tuple[str, str]]:
+        """(tag as produced, normalized tag), without empty or repeated normalized tags."""
+        seen, out = set(), []
+        for value in values:
+            norm = normalize_tag(value)
+            if norm and norm not in seen:
+                seen.add(norm)
+                out.append((value.strip(), norm))
+        return out

@@ -1,0 +1,152 @@
+"""The tag stage end to end: offline engine, an OpenAI-compatible server with faults, resume from the cache."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_config, write_jsonl
+from fault_server import FaultServer
+from test_run import outputs
+
+from atlas.cli import main
+from atlas.config import load_config
+from atlas.core.rundir import RunDir
+from atlas.runner import run_stages
+from atlas.stages.tag import QUARANTINE_SCHEMA, TAG_SCHEMA
+
+
+def openai_tag(server, **extra):
+    llm = {"engine": "openai", "base_url": server.base_url, "model": "test-model", "timeout_s": 1.0,
+           "max_retries": 2, "backoff_s": 0.01, "max_concurrency": 4} | extra
+    return {"llm": llm, "batch_size": 8}
+
+
+def accounted(run: RunDir) -> tuple[int, int, int]:
+    """(chunks, chunks with tags, chunks quarantined), read from the files themselves."""
+    chunks = pq.read_table(run.output_dir("chunks"), columns=["chunk_id"]).column(0).to_pylist()
+    tagged = set(pq.read_table(run.output_dir("tags"), columns=["chunk_id"]).column(0).to_pylist())
+    rejects = run.output_dir("tags") / "_rejects"
+    quarantined = pq.read_table(rejects).column("chunk_id").to_pylist() if rejects.exists() else []
+    assert not tagged & set(quarantined)
+    assert tagged | set(quarantined) == set(chunks)
+    return len(chunks), len(tagged), len(quarantined)
+
+
+@pytest.fixture()
+def docs(tmp_path, demo_records):
+    picked = [r for r in demo_records if r["data_src"] != "python-stdlib"][:8] + \
+             [r for r in demo_records if r["data_src"] == "python-stdlib"][:1]
+    return write_jsonl(tmp_path / "docs.jsonl", picked)
+
+
+@pytest.mark.slow
+def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsys):
+    config = load_config(write_config(tmp_path, docs, tag={"batch_size": 16}))
+    run_stages(config, log=lambda m: None)
+    run = RunDir(config.run_dir)
+    table = pq.read_table(run.output_dir("tags"))
+    assert table.schema.equals(TAG_SCHEMA)
+    n_chunks, n_tagged, n_quarantined = accounted(run)
+    assert n_tagged >= n_chunks - 2
+    stats = json.loads(run.stats_path("tags").read_text())["counters"]
+    assert stats["chunks_in"] == n_chunks == stats["chunks_tagged"] + stats["chunks_quarantined"]
+    rows = table.to_pylist()
+    code_fields = {r["field"] for r in rows if "python-stdlib" in r["chunk_id"]}
+    assert code_fields == {"language", "design_pattern", "algorithm", "role", "documentation"}
+    assert {r["tag_norm"] for r in rows if r["field"] == "language" and "python-stdlib" in r["chunk_id"]} == {"python"}
+    assert 8 <= len(rows) / n_tagged <= 16  # paper: 10-15 tags per chunk
+
+    again = tmp_path / "again"
+    again.mkdir()
+    run_stages(load_config(write_config(again, docs, tag={"batch_size": 16})), log=lambda m: None)
+    assert outputs(again / "run") == outputs(tmp_path / "run")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "run"), "tags", "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk_id=" in out and "main:" in out
+
+
+def test_openai_engine_with_30_percent_faults_accounts_for_every_chunk(tmp_path, docs):
+    with FaultServer(mode="mixed", fault_rate=0.3, seed=3, hang_s=3.0) as server:
+        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server)))
+        run_stages(config, log=lambda m: None)
+        served = list(server.served)
+    run = RunDir(config.run_dir)
+    n_chunks, n_tagged, n_quarantined = accounted(run)
+    assert n_chunks > 30 and n_tagged > 0.8 * n_chunks
+    assert sum(s != "ok" for s in served) > 0.2 * len(served)  # the faults really happened
+    stats = json.loads(run.stats_path("tags").read_text())["counters"]
+    assert stats["chunks_tagged"] + stats["chunks_quarantined"] == n_chunks
+    assert stats["requests_retried"] > 0 and stats["tokens_in"] > 0
+    assert any(k.startswith("answer_problems.") for k in stats) and stats.get("repaired.dropped_extra_fields", 0) > 0
+
+
+def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, docs):
+    """One attempt per chunk (max_attempts 1), so every bad answer is quarantined; HTTP 500s are sticky."""
+    with FaultServer(mode="mixed", fault_rate=0.5, seed=5, sticky=True,
+                     faults=("invalid_json", "truncated", "missing_field", "http_500")) as server:
+        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server) | {"max_attempts": 1}))
+        run_stages(config, log=lambda m: None)
+    run = RunDir(config.run_dir)
+    n_chunks, n_tagged, n_quarantined = accounted(run)
+    assert n_quarantined > 0.2 * n_chunks
+    rejects = pq.read_table(run.output_dir("tags") / "_rejects")
+    assert rejects.schema.equals(QUARANTINE_SCHEMA)
+    rows = rejects.to_pylist()
+    assert {r["reason"] for r in rows} <= {"invalid_json", "truncated", "missing_field", "engine_error"}
+    assert {r["reason"] for r in rows} >= {"invalid_json", "engine_error"}
+    assert all(r["attempts"] == 1 for r in rows)
+    assert all(r["raw"] for r in rows if r["reason"] != "engine_error")
+    stats = json.loads(run.stats_path("tags").read_text())["counters"]
+    assert sum(v for k, v in stats.items() if k.startswith("dropped.")) == n_quarantined
+
+
+def test_api_key_never_reaches_the_run_directory(tmp_path, docs, monkeypatch):
+    monkeypatch.setenv("ATLAS_TEST_KEY", "sk-very-secret-123")
+    with FaultServer(mode="ok") as server:
+        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server, api_key_env="ATLAS_TEST_KEY")))
+        run_stages(config, log=lambda m: None)
+        assert server.headers[0]["authorization"] == "Bearer sk-very-secret-123"
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert b"sk-very-secret" not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, docs):
+    """SIGKILL `atlas run` while it tags; the rerun asks the server only for what was not cached."""
+    with FaultServer(mode="slow", slow_s=0.15) as server:
+        tag = openai_tag(server, max_concurrency=1) | {"batch_size": 2}
+        config_path = write_config(tmp_path, docs, tag=tag, execution={"progress": False})
+        command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--inline"]
+        process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline and len(server.requests) < 12:
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        asked_before_kill = len(server.requests)
+        assert not (tmp_path / "run" / "tags" / "_SUCCESS").exists()
+        rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stderr
+        total_asked = len(server.requests)
+    run = RunDir(tmp_path / "run")
+    n_chunks, n_tagged, _ = accounted(run)
+    assert n_tagged == n_chunks
+    # Each chunk was asked once, except at most the requests in flight when the process died.
+    assert n_chunks <= total_asked <= n_chunks + 2
+    assert asked_before_kill >= 12
+    stats = json.loads(run.stats_path("tags").read_text())["counters"]
+    assert stats["cache_hits"] >= asked_before_kill - 2
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    with FaultServer(mode="ok") as server:
+        run_stages(load_config(write_config(reference, docs, tag=openai_tag(server) | {"batch_size": 2})),
+                   log=lambda m: None)
+    assert outputs(reference / "run") == outputs(tmp_path / "run")

@@ -1,0 +1,104 @@
+"""Schemas, prompts, answer parsing with repairs, normalization, the offline keyphrase algorithm."""
+
+import json
+
+import numpy as np
+import pytest
+
+from atlas.config import TagConfig
+from atlas.llm.offline import candidate_phrases, mmr, proxy_score
+from atlas.llm.prompts import PromptError, load_prompt
+from atlas.stages.tag import PROMPT_PLACEHOLDERS, _prompt_path
+from atlas.tagging import SchemaError, load_schemas, normalize_tag, parse_answer
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return load_schemas(TagConfig())[0]
+
+
+@pytest.mark.parametrize("raw, norm", [
+    ("Astronomical-Objects", "astronomical objects"),
+    ("  how-to_guide ", "how to guide"),
+    ('"Shiny Pokémon."', "shiny pokémon"),
+    ("C++", "c++"),
+    ("Vieta's formulas", "vieta's formulas"),
+    ("---", ""),
+])
+def test_normalize_tag(raw, norm):
+    assert normalize_tag(raw) == norm
+
+
+def test_every_shipped_schema_and_the_prompt_are_valid(schemas):
+    assert {"web", "academic", "math", "code", "qa", "generic"} <= set(schemas)
+    for schema in schemas.values():
+        assert 4 <= len(schema.fields) <= 6  # paper 4.2.1: 4-6 fields per domain
+    assert schemas["code"].fields == ["language", "design_pattern", "algorithm", "role", "documentation"]
+    from atlas.config import load_config
+
+    load_prompt(_prompt_path(load_config(None)), PROMPT_PLACEHOLDERS)
+
+
+def test_broken_prompt_and_schema_files_are_named(tmp_path):
+    bad = tmp_path / "tag.yaml"
+    bad.write_text("version: 1\nsystem: hi\nuser: 'no text here {domain}'\nrepair: '{problem} {field_names}'\n")
+    with pytest.raises(PromptError, match=r"tag.yaml: template 'user' lacks placeholder\(s\) \['domain_description', 'fields', 'text'\]"):
+        load_prompt(bad, PROMPT_PLACEHOLDERS)
+    bad.write_text("version: 1\nsystem: hi {oops}\nuser: x\nrepair: y\n")
+    with pytest.raises(PromptError, match="unknown placeholder"):
+        load_prompt(bad, PROMPT_PLACEHOLDERS)
+    (tmp_path / "tags").mkdir()
+    (tmp_path / "candidates").mkdir()
+    schema = {"type": "object", "properties": {"main": {"type": "array", "items": {"type": "string"},
+                                                        "x-atlas-offline": {"method": "candidates", "list": "nope"}}}}
+    (tmp_path / "tags" / "generic.json").write_text(json.dumps(schema))
+    with pytest.raises(SchemaError, match="generic.json: field 'main' names candidate list 'nope'"):
+        load_schemas(TagConfig(schema_dir=str(tmp_path)))
+    (tmp_path / "tags" / "generic.json").write_text("{not json")
+    with pytest.raises(SchemaError, match="generic.json: not valid JSON"):
+        load_schemas(TagConfig(schema_dir=str(tmp_path)))
+
+
+def _good(schema):
+    return {field: [f"{field} tag"] for field in schema.fields}
+
+
+def test_parse_valid_and_repaired_answers(schemas):
+    web = schemas["web"]
+    ok = parse_answer(json.dumps(_good(web)), "stop", web)
+    assert ok.answer == _good(web) and not ok.repairs
+    chatty = parse_answer("Sure! ```json\n" + json.dumps(_good(web)) + "\n```", "stop", web)
+    assert chatty.answer == _good(web) and chatty.repairs == ["extracted_json"]
+    extra = parse_answer(json.dumps(_good(web) | {"mood": ["x"]}), "stop", web)
+    assert extra.answer == _good(web) and extra.repairs == ["dropped_extra_fields"]
+    stringy = parse_answer(json.dumps(_good(web) | {"main": "space, rockets; orbits"}), "stop", web)
+    assert stringy.answer["main"] == ["space", " rockets", " orbits"] and "string_to_list" in stringy.repairs
+    many = parse_answer(json.dumps(_good(web) | {"tone": ["a", "b", "c", "d", "e"]}), "stop", web)
+    assert many.answer["tone"] == ["a", "b", "c"] and "too_many_items" in many.repairs
+
+
+@pytest.mark.parametrize("text, finish, reason", [
+    (None, None, "no_answer"),
+    ('{"main": ["a"], "purpose": ["b"', "length", "truncated"),
+    ("I cannot help with that.", "stop", "invalid_json"),
+    ("[1, 2]", "stop", "invalid_json"),
+    ('{"main": ["a"], "purpose": ["b"]}', "stop", "missing_field"),
+    ('{"main": [], "purpose": ["b"], "tone": ["c"], "minor": ["d"]}', "stop", "schema_violation"),
+    ('{"main": ["' + "x" * 200 + '"], "purpose": ["b"], "tone": ["c"], "minor": ["d"]}', "stop", "schema_violation"),
+])
+def test_unusable_answers_get_a_reason(schemas, text, finish, reason):
+    parsed = parse_answer(text, finish, schemas["web"])
+    assert parsed.answer is None and parsed.problem == reason and parsed.detail
+
+
+def test_candidate_phrases_and_mmr():
+    phrases = candidate_phrases("The Apollo program landed astronauts on the Moon. The Apollo program ended in 1972.")
+    assert phrases[0] == "apollo program" and "the" not in phrases
+    code = candidate_phrases('def binary_search(sortedList, target):\n    """Bisection search."""\n    return -1', code=True)
+    assert {"binary search", "sorted", "bisection search"} <= set(code) and "def" not in code
+    doc = np.array([1.0, 0.0])
+    vectors = np.array([[1.0, 0.0], [0.99, 0.141], [0.6, 0.8]])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    assert mmr(doc, vectors, 2, diversity=0.0) == [0, 1]
+    assert mmr(doc, vectors, 2, diversity=0.7) == [0, 2]  # the near-duplicate loses to the diverse phrase
+    assert [proxy_score(c) for c in (0.0, 0.2, 0.3, 0.4, 0.9)] == [1, 2, 3, 4, 5]
