@@ -102,3 +102,19 @@ def test_candidate_phrases_and_mmr():
     assert mmr(doc, vectors, 2, diversity=0.0) == [0, 1]
     assert mmr(doc, vectors, 2, diversity=0.7) == [0, 2]  # the near-duplicate loses to the diverse phrase
     assert [proxy_score(c) for c in (0.0, 0.2, 0.3, 0.4, 0.9)] == [1, 2, 3, 4, 5]
+
+
+def test_request_cache_misses_when_anything_the_engine_sees_changes(tmp_path):
+    from atlas.llm.cache import RequestCache
+    from atlas.llm.engine import LLMRequest, LLMResult
+
+    request = LLMRequest(key="doc:00001#1", system="s", user="the chunk text", schema={"type": "object"})
+    cache = RequestCache(tmp_path / "c.sqlite", {"engine": "openai", "model": "m"})
+    cache.put_many([request], [LLMResult(request.key, text='{"a": 1}', finish_reason="stop", tokens_in=5)])
+    cache.put_many([request], [LLMResult(request.key, error="http_500")])  # errors are not cached over answers
+    assert cache.get_many([request])[request.key].text == '{"a": 1}'
+    changed = LLMRequest(key="doc:00001#1", system="s", user="another chunk text", schema={"type": "object"})
+    assert cache.get_many([changed]) == {}
+    cache.close()
+    other_model = RequestCache(tmp_path / "c.sqlite", {"engine": "openai", "model": "m2"})
+    assert other_model.get_many([request]) == {}

@@ -1,24 +1,27 @@
 """A request cache in SQLite, so that a killed shard resumes without redoing finished requests.
 
-Answers are keyed by (item id, attempt, prompt hash, engine identity): change the prompt, the
-model or the sampling and old answers are simply not found. One file per shard, written only by
-the worker running that shard, so there is no locking between workers.
+An answer is stored under the request's key (chunk id and attempt) plus a hash of everything the
+engine sees (system and user prompt, schema, structured context) and the engine's identity
+(engine, model, sampling). Change the chunk text, the prompt, the schema, the model or the
+sampling and the old answer is simply not found. One file per shard, written only by the worker
+running that shard, so there is no locking between workers.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
-from atlas.core.files import stable_hash
-from atlas.llm.engine import LLMResult
+from atlas.core.files import sha256_bytes, stable_hash
+from atlas.llm.engine import LLMRequest, LLMResult
 
 
 class RequestCache:
-    def __init__(self, path: str | Path, namespace: dict):
+    def __init__(self, path: str | Path, engine_identity: dict):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.namespace = stable_hash(namespace)  # prompt hash + engine identity
+        self.engine = stable_hash(engine_identity)
         self.db = sqlite3.connect(self.path)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(
@@ -26,21 +29,24 @@ class RequestCache:
             " tokens_in INTEGER, tokens_out INTEGER)"
         )
 
-    def _key(self, item: str) -> str:
-        return f"{self.namespace}:{item}"
+    def _key(self, request: LLMRequest) -> str:
+        seen = json.dumps([request.system, request.user, request.schema, request.context], sort_keys=True)
+        return f"{request.key}:{sha256_bytes(seen.encode())[:24]}:{self.engine[:24]}"
 
-    def get_many(self, items: list[str]) -> dict[str, LLMResult]:
+    def get_many(self, requests: list[LLMRequest]) -> dict[str, LLMResult]:
+        """Cached answers by request key."""
         found = {}
-        for item in items:
+        for request in requests:
             row = self.db.execute("SELECT text, finish_reason, tokens_in, tokens_out FROM answers WHERE key = ?",
-                                  (self._key(item),)).fetchone()
+                                  (self._key(request),)).fetchone()
             if row:
-                found[item] = LLMResult(item, *row)
+                found[request.key] = LLMResult(request.key, *row)
         return found
 
-    def put_many(self, results: list[LLMResult]) -> None:
+    def put_many(self, requests: list[LLMRequest], results: list[LLMResult]) -> None:
         """Store answers (not transport errors: those are worth asking again after a restart)."""
-        rows = [(self._key(r.key), r.text, r.finish_reason, r.tokens_in, r.tokens_out) for r in results if r.error is None]
+        rows = [(self._key(q), r.text, r.finish_reason, r.tokens_in, r.tokens_out)
+                for q, r in zip(requests, results) if r.error is None]
         with self.db:
             self.db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)", rows)
 

@@ -134,7 +134,7 @@ class OfflineEngine(LLMEngine):
 
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
-                "max_candidates": MAX_CANDIDATES, "version": 1}
+                "max_candidates": MAX_CANDIDATES, "version": 2}
 
     def setup(self) -> None:
         self.embedder.setup()
@@ -172,9 +172,11 @@ class OfflineEngine(LLMEngine):
             order = mmr(doc, np.array([vectors[c] for c in cands]).reshape(len(cands), -1),
                         sum(k for _, k in keyphrase_fields))
             answer, taken = {}, 0
-            for field, k in keyphrase_fields:
-                answer[field] = [cands[i] for i in order[taken : taken + k]]
-                taken += k
+            for position, (field, k) in enumerate(keyphrase_fields):
+                later = len(keyphrase_fields) - position - 1  # keep one phrase for each later field if we can
+                n = max(1, min(k, len(order) - taken - later))
+                answer[field] = [cands[i] for i in order[taken : taken + n]]
+                taken += n
             for field, spec in properties.items():
                 offline = spec["x-atlas-offline"]
                 if offline["method"] == "candidates":

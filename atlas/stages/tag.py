@@ -9,8 +9,8 @@ on what was wrong) up to ``tag.max_attempts`` times, then the chunk is quarantin
 
 Invariant, checked for every shard: chunks tagged + chunks quarantined = chunks in.
 
-Answers are cached per shard in ``RUN/_cache/tag/`` keyed by chunk, attempt, prompt hash and
-engine identity, so a killed shard resumes without asking the engine again.
+Answers are cached per shard in ``RUN/_cache/tag/`` keyed by chunk, attempt, everything the engine
+sees and the engine's identity, so a killed shard resumes without asking the engine again.
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ class TagStage(Stage):
 
     def _ask(self, requests: list[LLMRequest], cache: RequestCache, stats: Stats) -> list[LLMResult]:
         """Answers from the cache where present, from the engine otherwise (and then cached)."""
-        cached = cache.get_many([r.key for r in requests])
+        cached = cache.get_many(requests)
         missing = [r for r in requests if r.key not in cached]
         fresh = self.engine.generate(missing) if missing else []
-        cache.put_many(fresh)
+        cache.put_many(missing, fresh)
         stats.inc("cache_hits", len(cached))
         by_key = cached | {r.key: r for r in fresh}
         return [by_key[r.key] for r in requests]
@@ -119,8 +119,7 @@ class TagStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         chunks = pq.read_table(run.part_path("chunks", shard), columns=["chunk_id", "domain", "chunk_text"]).to_pylist()
         stats = Stats({"chunks_in": len(chunks)})
-        cache = RequestCache(run.root / "_cache" / "tag" / f"{shard:05d}.sqlite",
-                             {"prompt": self.prompt.sha256, "engine": self.engine.identity()})
+        cache = RequestCache(run.root / "_cache" / "tag" / f"{shard:05d}.sqlite", self.engine.identity())
         tagged: dict[str, dict] = {}
         quarantined: dict[str, dict] = {}
         batch_size = self.config.tag.batch_size
