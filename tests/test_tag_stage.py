@@ -70,6 +70,11 @@ def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsy
     out = capsys.readouterr().out
     assert "chunk_id=" in out and "main:" in out
 
+    assert main(["judge", str(tmp_path / "run"), "--sample", "6"]) == 0
+    summary = json.loads((tmp_path / "run" / "report" / "tag_relevance.json").read_text())
+    assert summary["is_proxy"] and "PROXY" in summary["judge"] and summary["chunks_judged"] == 6
+    assert (tmp_path / "run" / "report" / "tag_relevance_per_chunk.png").read_bytes()[:4] == b"\x89PNG"
+
 
 def test_openai_engine_with_30_percent_faults_accounts_for_every_chunk(tmp_path, docs):
     with FaultServer(mode="mixed", fault_rate=0.3, seed=3, hang_s=3.0) as server:
@@ -150,3 +155,19 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
         run_stages(load_config(write_config(reference, docs, tag=openai_tag(server) | {"batch_size": 2})),
                    log=lambda m: None)
     assert outputs(reference / "run") == outputs(tmp_path / "run")
+
+
+def test_llm_relevance_judge_uses_the_papers_prompt(tmp_path, docs):
+    from atlas.judge import judge_tags
+
+    with FaultServer(mode="ok") as server:
+        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server)))
+        run_stages(config, log=lambda m: None)
+        asked = len(server.requests)
+        summary = judge_tags(config, sample=5)
+        judge_requests = server.requests[asked:]
+    assert not summary["is_proxy"] and summary["chunks_judged"] == 5 and summary["pairs"] >= 5
+    assert sum(summary["score_counts"].values()) == summary["pairs"]
+    first = judge_requests[0]["messages"]
+    assert "expert at evaluating whether concepts are genuinely present" in first[0]["content"]
+    assert "=== CONCEPTS TO EVALUATE ===" in first[1]["content"] and "A. " in first[1]["content"]

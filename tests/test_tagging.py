@@ -118,3 +118,22 @@ def test_request_cache_misses_when_anything_the_engine_sees_changes(tmp_path):
     cache.close()
     other_model = RequestCache(tmp_path / "c.sqlite", {"engine": "openai", "model": "m2"})
     assert other_model.get_many([request]) == {}
+
+
+@pytest.mark.slow
+def test_offline_engine_answers_a_chunk_without_any_word(schemas):
+    """No candidate phrase at all: an answer that fails validation (the chunk is quarantined), no crash."""
+    from atlas.config import LLMConfig
+    from atlas.llm.engine import LLMRequest
+    from atlas.llm.offline import OfflineEngine
+
+    engine = OfflineEngine(LLMConfig())
+    engine.setup()
+    _, candidates, _ = load_schemas(TagConfig())
+    request = LLMRequest(key="x#1", system="", user="", schema=schemas["math"].schema,
+                         context={"task": "tag", "text": "$$ 2 + 2 = 4 $$", "domain": "math",
+                                  "candidates": {k: candidates[k] for k in ("math_problem_type", "math_technique",
+                                                                             "math_notation", "math_difficulty")}})
+    [result] = engine.generate([request])
+    parsed = parse_answer(result.text, result.finish_reason, schemas["math"])
+    assert json.loads(result.text)["object"] == [] and parsed.problem == "schema_violation"

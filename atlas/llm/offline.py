@@ -164,27 +164,30 @@ class OfflineEngine(LLMEngine):
         phrases = [p for _, cands in plans for p in cands] + [v for values in lists.values() for v in values]
         vectors = self._embed_all(phrases)
         docs = self.embedder.encode([r.context["text"] for r in requests])
-        answers = {}
-        for (request, cands), doc in zip(plans, docs):
-            properties = request.schema["properties"]
-            keyphrase_fields = [(f, p["x-atlas-offline"]["k"]) for f, p in properties.items()
-                                if p["x-atlas-offline"]["method"] == "keyphrases"]
-            order = mmr(doc, np.array([vectors[c] for c in cands]).reshape(len(cands), -1),
-                        sum(k for _, k in keyphrase_fields))
-            answer, taken = {}, 0
-            for position, (field, k) in enumerate(keyphrase_fields):
-                later = len(keyphrase_fields) - position - 1  # keep one phrase for each later field if we can
-                n = max(1, min(k, len(order) - taken - later))
-                answer[field] = [cands[i] for i in order[taken : taken + n]]
-                taken += n
-            for field, spec in properties.items():
-                offline = spec["x-atlas-offline"]
-                if offline["method"] == "candidates":
-                    values = request.context["candidates"][offline["list"]]
-                    scores = np.array([vectors[v] for v in values]) @ doc
-                    answer[field] = [values[i] for i in np.argsort(-scores, kind="stable")[: offline["k"]]]
-            answers[request.key] = {field: answer[field] for field in properties}
-        return answers
+        return {request.key: self._answer(request, cands, vectors, doc) for (request, cands), doc in zip(plans, docs)}
+
+    @staticmethod
+    def _answer(request: LLMRequest, cands: list[str], vectors: dict[str, np.ndarray], doc: np.ndarray) -> dict:
+        """One chunk's answer. With no candidate phrase at all (e.g. only numbers and symbols) the
+        keyphrase fields stay empty, the answer fails validation and the chunk is quarantined."""
+        properties = request.schema["properties"]
+        keyphrase_fields = [(f, p["x-atlas-offline"]["k"]) for f, p in properties.items()
+                            if p["x-atlas-offline"]["method"] == "keyphrases"]
+        matrix = np.array([vectors[c] for c in cands], dtype=np.float32).reshape(len(cands), doc.shape[0])
+        order = mmr(doc, matrix, sum(k for _, k in keyphrase_fields))
+        answer, taken = {}, 0
+        for position, (field, k) in enumerate(keyphrase_fields):
+            later = len(keyphrase_fields) - position - 1  # keep one phrase for each later field if we can
+            n = max(1, min(k, len(order) - taken - later))
+            answer[field] = [cands[i] for i in order[taken : taken + n]]
+            taken += n
+        for field, spec in properties.items():
+            offline = spec["x-atlas-offline"]
+            if offline["method"] == "candidates":
+                values = request.context["candidates"][offline["list"]]
+                scores = np.array([vectors[v] for v in values]) @ doc
+                answer[field] = [values[i] for i in np.argsort(-scores, kind="stable")[: offline["k"]]]
+        return {field: answer[field] for field in properties}
 
     def _judge(self, requests: list[LLMRequest]) -> dict[str, dict]:
         if not requests:
