@@ -79,7 +79,7 @@ def _histogram(values: list[float], title: str, path: Path) -> None:
 
 def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size: int = 64) -> dict:
     """Judge the tags of ``sample`` random tagged chunks; returns (and writes) the summary."""
-    from atlas.stages.tag import _make_engine
+    from atlas.stages.tag import tag_engine
 
     run = RunDir(config.run_dir)
     tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "tag_norm"]).to_pylist()
@@ -98,7 +98,7 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
 
     prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_relevance.yaml",
                          {"system": set(), "user": {"text_chunk", "concepts_with_descriptions"}})
-    engine = _make_engine(config)
+    engine = tag_engine(config)
     engine.setup()
     proxy = config.tag.llm.engine == "offline"
     per_chunk, per_tag, all_scores, failed = {}, defaultdict(list), [], 0

@@ -49,7 +49,8 @@ def _prompt_path(config) -> str:
     return config.tag.prompt or str(PROJECT_ROOT / "prompts" / "tag.yaml")
 
 
-def _make_engine(config):
+def tag_engine(config):
+    """The engine of the tag stage (the offline one also needs its embedding model)."""
     if config.tag.llm.engine == "offline":
         from atlas.llm.offline import OfflineEngine
 
@@ -70,7 +71,7 @@ class TagStage(Stage):
         return {
             "version": TAG_STAGE_VERSION,
             "tag": tag,
-            "engine": _make_engine(self.config).identity(),  # model and sampling; never the API key or URL
+            "engine": tag_engine(self.config).identity(),  # model and sampling; never the API key or URL
             "prompt_sha256": prompt.sha256,
             "schema_files": {f"{p.parent.name}/{p.name}": sha256_bytes(p.read_bytes()) for p in files},
         }
@@ -81,7 +82,7 @@ class TagStage(Stage):
     def setup(self) -> None:
         self.schemas, self.candidates, _ = load_schemas(self.config.tag)
         self.prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
-        self.engine = _make_engine(self.config)
+        self.engine = tag_engine(self.config)
         self.engine.setup()
 
     def schema_for(self, domain: str) -> TagSchema:
