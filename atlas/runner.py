@@ -16,6 +16,7 @@ A killed run resumes at step 3 with the unfinished shards; finished shards are n
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,16 +50,18 @@ class StageReport:
 
 # Shard workers build each stage once per process and keep it, so `setup` runs once per worker.
 _WORKER_STAGES: dict[tuple[str, str], Stage] = {}
+_WORKER_LOCK = threading.Lock()
 
 
 def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) -> dict:
     """Run one shard of one stage and write its completion marker. Safe to call in any process."""
     key = (stage_name, stable_hash(config))
-    stage = _WORKER_STAGES.get(key)
-    if stage is None:
-        stage = STAGES[stage_name](config_from_dict(config))
-        stage.setup()
-        _WORKER_STAGES[key] = stage
+    with _WORKER_LOCK:  # threads of one worker share one stage (one model in memory), set up once
+        stage = _WORKER_STAGES.get(key)
+        if stage is None:
+            stage = STAGES[stage_name](config_from_dict(config))
+            stage.setup()
+            _WORKER_STAGES[key] = stage
     run = RunDir(stage.config.run_dir)
     start = time.perf_counter()
     stats = stage.run_shard(run, shard)

@@ -7,4 +7,4 @@ bash scripts/setup.sh
 .venv/bin/atlas run configs/demo.yaml "$@"
 .venv/bin/atlas status runs/demo
 echo
-echo "Look at a few chunks:  .venv/bin/atlas inspect runs/demo chunks -n 3"
+echo "Look at a few chunks and their tags:  .venv/bin/atlas inspect runs/demo tags -n 3"
