@@ -166,7 +166,8 @@ def cmd_inspect(args) -> int:
     for row in ds.dataset(folder, format="parquet").head(args.n).to_pylist():
         text = row.pop("chunk_text", None)
         print("-" * 100)
-        print("  ".join(f"{k}={v}" for k, v in row.items() if k != "metadata"))
+        shown = {k: (str(v) if len(str(v)) <= 120 else str(v)[:117] + "...") for k, v in row.items()}
+        print("  ".join(f"{k}={v}" for k, v in shown.items() if k != "metadata"))
         if text is not None:
             _print_text(text, args.chars)
     return 0
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a few rows of a stage's output")
     p.add_argument("run_dir")
-    p.add_argument("what", help="output folder: chunks, tags")
+    p.add_argument("what", help="output folder: chunks, tags, tag_vocab")
     p.add_argument("-n", type=int, default=5, help="rows to show")
     p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
     p.set_defaults(fn=cmd_inspect)

@@ -112,6 +112,15 @@ class TagConfig(Section):
     batch_size: int = Field(default=256, ge=1)  # requests per engine call; also the cache's resume granularity
 
 
+class VocabConfig(Section):
+    """The tag vocabulary and its embeddings, the input of clustering (paper 4.2.2)."""
+
+    # Tags seen fewer times are left out (the paper clustered the ~1M of 14M unique tags seen more than 15 times).
+    min_count: int = Field(default=1, ge=1)
+    embedding_model: str = "all-MiniLM-L6-v2"  # paper: all-mpnet-base-v2 (768-d), from a local folder or the HF cache
+    batch_size: int = Field(default=256, ge=1)  # tags per encode call; also the embedding cache's unit
+
+
 class ExecutionConfig(Section):
     orchestrator: Literal["prefect", "inline"] = "prefect"  # inline: plain loop, no Prefect (debugging)
     # threads: the chunker's heavy calls (BlingFire, tiktoken) release the GIL. processes: separate Python
@@ -127,6 +136,7 @@ class AtlasConfig(Section):
     input: InputConfig = Field(default_factory=InputConfig)
     chunk: ChunkConfig = Field(default_factory=ChunkConfig)
     tag: TagConfig = Field(default_factory=TagConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("name")

@@ -2,5 +2,6 @@
 
 from atlas.stages.chunk import ChunkStage
 from atlas.stages.tag import TagStage
+from atlas.stages.vocab import VocabStage
 
-STAGES = {stage.name: stage for stage in (ChunkStage, TagStage)}
+STAGES = {stage.name: stage for stage in (ChunkStage, TagStage, VocabStage)}

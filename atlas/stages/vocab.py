@@ -1,0 +1,134 @@
+"""Stage ``vocab`` (global): tags -> the tag vocabulary and its embeddings (paper 4.2.2, first step).
+
+Reads every tag shard and writes one row per normalized tag, most frequent first:
+
+    tag_vocab/part-00000.parquet   tag_norm, count (occurrences), n_chunks, fields (where it was used),
+                                   variants (up to 5 spellings as produced), chunk_ids (the chunks it came from)
+    tag_vocab/embeddings.npy       float16 [n_tags, d], L2-normalized, row i = tag i
+
+Tags seen fewer than ``vocab.min_count`` times are left out and counted. Embeddings are cached in
+``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a vocabulary that gained
+tags, only embeds what is new. The vocabulary is embedded in fixed batches of its sorted order and
+a batch is computed whole or taken whole from the cache, so a resumed run gives the same bytes as
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas.core.files import atomic_write_bytes, atomic_write_parquet, stable_hash
+from atlas.core.rundir import RunDir
+from atlas.core.stage import Stage
+from atlas.core.stats import Stats
+from atlas.embed import Embedder
+
+VOCAB_VERSION = 1
+MAX_VARIANTS = 5
+VOCAB_SCHEMA = pa.schema(
+    [("tag_norm", pa.string()), ("count", pa.int64()), ("n_chunks", pa.int64()), ("fields", pa.list_(pa.string())),
+     ("variants", pa.list_(pa.string())), ("chunk_ids", pa.list_(pa.string()))]
+)
+
+
+class EmbeddingCache:
+    """FP16 vectors by (model, text) in SQLite; one file per model under RUN/_cache/embeddings/."""
+
+    def __init__(self, folder: Path, model: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(folder / f"{stable_hash(model)[:16]}.sqlite")
+        self.db.execute("CREATE TABLE IF NOT EXISTS vectors (text TEXT PRIMARY KEY, vector BLOB)")
+
+    def get(self, texts: list[str]) -> np.ndarray | None:
+        """All vectors of ``texts``, or None if any is missing."""
+        rows = []
+        for text in texts:
+            row = self.db.execute("SELECT vector FROM vectors WHERE text = ?", (text,)).fetchone()
+            if row is None:
+                return None
+            rows.append(np.frombuffer(row[0], dtype=np.float16))
+        return np.stack(rows)
+
+    def put(self, texts: list[str], vectors: np.ndarray) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
+                                [(t, v.astype(np.float16).tobytes()) for t, v in zip(texts, vectors)])
+
+    def close(self) -> None:
+        self.db.close()
+
+
+class VocabStage(Stage):
+    name = "vocab"
+    output = "tag_vocab"
+    kind = "global"
+    upstream = ("tag",)
+
+    def identity(self) -> dict:
+        return {"version": VOCAB_VERSION, "vocab": self.config.vocab.model_dump()}
+
+    def setup(self) -> None:
+        self.embedder = Embedder(self.config.vocab.embedding_model)
+
+    def run_shard(self, run: RunDir, shard: int) -> Stats:
+        tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "field", "tag", "tag_norm"])
+        stats = Stats({"tags_in": tags.num_rows})
+        grouped = tags.group_by("tag_norm").aggregate(
+            [("chunk_id", "count"), ("chunk_id", "distinct"), ("field", "distinct"), ("tag", "distinct")]
+        )
+        rows = [
+            {"tag_norm": r["tag_norm"], "count": r["chunk_id_count"], "n_chunks": len(r["chunk_id_distinct"]),
+             "fields": sorted(r["field_distinct"]), "variants": sorted(r["tag_distinct"])[:MAX_VARIANTS],
+             "chunk_ids": sorted(r["chunk_id_distinct"])}
+            for r in grouped.to_pylist()
+        ]
+        stats.inc("unique_tags", len(rows))
+        kept = [r for r in rows if r["count"] >= self.config.vocab.min_count]
+        stats.drop("below_min_count", len(rows) - len(kept))
+        kept.sort(key=lambda r: (-r["count"], r["tag_norm"]))  # a deterministic order, most frequent first
+        stats.inc("tags_out", len(kept))
+
+        vectors = self._embed([r["tag_norm"] for r in kept], run, stats)
+        atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(kept, schema=VOCAB_SCHEMA))
+        buffer = io.BytesIO()
+        np.save(buffer, vectors)
+        atomic_write_bytes(run.output_dir(self.output) / "embeddings.npy", buffer.getvalue())
+        return stats
+
+    def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
+        cache = EmbeddingCache(run.root / "_cache" / "embeddings", self.config.vocab.embedding_model)
+        size = self.config.vocab.batch_size
+        parts = []
+        try:
+            for start in range(0, len(texts), size):
+                batch = texts[start : start + size]
+                vectors = cache.get(batch)
+                if vectors is None:
+                    vectors = self.embedder.encode(batch).astype(np.float16)
+                    cache.put(batch, vectors)
+                    stats.inc("tags_embedded", len(batch))
+                else:
+                    stats.inc("tags_from_cache", len(batch))
+                parts.append(vectors)
+        finally:
+            cache.close()
+        dim = parts[0].shape[1] if parts else self.embedder.dim
+        return np.concatenate(parts) if parts else np.zeros((0, dim), dtype=np.float16)
+
+
+def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
+    """The vocabulary table and its aligned float16 embeddings."""
+    folder = run.output_dir(VocabStage.output)
+    table = pq.read_table(folder / "part-00000.parquet")
+    vectors = np.load(folder / "embeddings.npy")
+    if len(vectors) != table.num_rows:
+        raise ValueError(f"{folder}: {table.num_rows} tags but {len(vectors)} embeddings; rerun with --force")
+    return table, vectors
+
+
