@@ -163,7 +163,7 @@ def cmd_inspect(args) -> int:
             for field, values in fields.items():
                 print(f"    {field}: {', '.join(values)}")
         return 0
-    for row in ds.dataset(folder, format="parquet").head(args.n).to_pylist():
+    for row in ds.dataset(sorted(str(p) for p in folder.glob("part-*.parquet")), format="parquet").head(args.n).to_pylist():
         text = row.pop("chunk_text", None)
         print("-" * 100)
         shown = {k: (str(v) if len(str(v)) <= 120 else str(v)[:117] + "...") for k, v in row.items()}

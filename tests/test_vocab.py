@@ -43,9 +43,9 @@ def test_vocabulary_counts_chunks_and_cached_embeddings(tmp_path, demo_records):
     assert np.allclose(np.linalg.norm(vectors.astype(np.float32), axis=1), 1.0, atol=1e-2)
     assert stats["tags_embedded"] == len(rows)
 
-    before = outputs(run.root) | {"embeddings.npy": (run.output_dir("tag_vocab") / "embeddings.npy").read_bytes()}
+    before = outputs(run.root) | {"_embeddings.npy": (run.output_dir("tag_vocab") / "_embeddings.npy").read_bytes()}
     run_stages(config, ["vocab"], force=True, log=lambda m: None)  # everything comes from the cache
     stats = json.loads(run.stats_path("tag_vocab").read_text())["counters"]
     assert stats["tags_from_cache"] == len(rows) and "tags_embedded" not in stats
-    after = outputs(run.root) | {"embeddings.npy": (run.output_dir("tag_vocab") / "embeddings.npy").read_bytes()}
+    after = outputs(run.root) | {"_embeddings.npy": (run.output_dir("tag_vocab") / "_embeddings.npy").read_bytes()}
     assert after == before

@@ -4,7 +4,7 @@ Reads every tag shard and writes one row per normalized tag, most frequent first
 
     tag_vocab/part-00000.parquet   tag_norm, count (occurrences), n_chunks, fields (where it was used),
                                    variants (up to 5 spellings as produced), chunk_ids (the chunks it came from)
-    tag_vocab/embeddings.npy       float16 [n_tags, d], L2-normalized, row i = tag i
+    tag_vocab/_embeddings.npy       float16 [n_tags, d], L2-normalized, row i = tag i
 
 Tags seen fewer than ``vocab.min_count`` times are left out and counted. Embeddings are cached in
 ``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a vocabulary that gained
@@ -98,7 +98,7 @@ class VocabStage(Stage):
         atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(kept, schema=VOCAB_SCHEMA))
         buffer = io.BytesIO()
         np.save(buffer, vectors)
-        atomic_write_bytes(run.output_dir(self.output) / "embeddings.npy", buffer.getvalue())
+        atomic_write_bytes(run.output_dir(self.output) / "_embeddings.npy", buffer.getvalue())
         return stats
 
     def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
@@ -126,7 +126,7 @@ def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
     """The vocabulary table and its aligned float16 embeddings."""
     folder = run.output_dir(VocabStage.output)
     table = pq.read_table(folder / "part-00000.parquet")
-    vectors = np.load(folder / "embeddings.npy")
+    vectors = np.load(folder / "_embeddings.npy")
     if len(vectors) != table.num_rows:
         raise ValueError(f"{folder}: {table.num_rows} tags but {len(vectors)} embeddings; rerun with --force")
     return table, vectors
