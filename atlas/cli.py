@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=int, default=200, help="chunks to judge")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override the run's config, e.g. tag.llm.engine=openai tag.llm.base_url=http://host:8000/v1")
+                   help="override the run's config, e.g. llm.engine=openai llm.base_url=http://host:8000/v1")
     p.set_defaults(fn=cmd_judge)
 
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")

@@ -76,7 +76,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent  # holds prompts/ and sche
 
 
 class LLMConfig(Section):
-    """The engine behind the LLM steps (tagging, judging; later labeling and merging)."""
+    """The engine behind every LLM step: tagging, judging, coherence, labeling, merging."""
 
     engine: Literal["offline", "openai", "vllm"] = "offline"  # offline: no LLM, runs on a laptop
     model: str = "mistralai/Mistral-Small-3.1-24B-Instruct-2503"  # the paper's annotator (openai, vllm)
@@ -102,7 +102,6 @@ class LLMConfig(Section):
 class TagConfig(Section):
     """Stage 1 tagging (paper 4.2.1): structured free-form tags for every chunk."""
 
-    llm: LLMConfig = Field(default_factory=LLMConfig)
     embedding_model: str = "all-MiniLM-L6-v2"  # the offline engine's embedder (a name or a local folder)
     prompt: str | None = None  # None: the project's prompts/tag.yaml; else a path relative to the config file
     schema_dir: str | None = None  # None: the project's schemas/ (tags/<domain>.json, candidates/<list>.json)
@@ -133,6 +132,7 @@ class ExecutionConfig(Section):
 class AtlasConfig(Section):
     name: str = "atlas-run"
     run_dir: str = "runs/atlas"  # relative paths resolve against the config file
+    llm: LLMConfig = Field(default_factory=LLMConfig)  # the engine of every LLM step (tagging, judging, library)
     input: InputConfig = Field(default_factory=InputConfig)
     chunk: ChunkConfig = Field(default_factory=ChunkConfig)
     tag: TagConfig = Field(default_factory=TagConfig)

@@ -4,7 +4,7 @@ Scores (tag, chunk) pairs from 1 (absent) to 5 (central), several tags of one ch
 A score of 2 or more counts as success. With an LLM engine it uses the paper's prompt; with the
 offline engine it is an embedding-similarity **proxy**, and every output says so.
 
-    atlas judge RUN [--sample 200] [--engine openai --set tag.llm.base_url=...]
+    atlas judge RUN [--sample 200] [--set llm.engine=openai --set llm.base_url=...]
 
 writes ``RUN/report/tag_relevance.json`` and histograms of per-chunk and per-tag averages
 (``tag_relevance_per_chunk.png``, ``tag_relevance_per_tag.png``).
@@ -100,7 +100,7 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
                          {"system": set(), "user": {"text_chunk", "concepts_with_descriptions"}})
     engine = tag_engine(config)
     engine.setup()
-    proxy = config.tag.llm.engine == "offline"
+    proxy = config.llm.engine == "offline"
     per_chunk, per_tag, all_scores, failed = {}, defaultdict(list), [], 0
     try:
         for start in range(0, len(samples), batch_size):
@@ -121,7 +121,7 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
     tag_means = [float(np.mean(v)) for v in per_tag.values()]
     summary = {
         "judge": "embedding-similarity PROXY (offline engine), not an LLM judge" if proxy else
-                 f"LLM judge: {config.tag.llm.model} via {config.tag.llm.engine}",
+                 f"LLM judge: {config.llm.model} via {config.llm.engine}",
         "is_proxy": proxy,
         "chunks_judged": len(per_chunk), "chunks_failed": failed, "pairs": int(scores.size),
         "mean_score": float(scores.mean()) if scores.size else None,

@@ -8,6 +8,6 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-EXTRAS="${ATLAS_EXTRAS:-dev,embed}"  # embed: torch (CPU build), sentence-transformers, MiniLM
+EXTRAS="${ATLAS_EXTRAS:-dev,embed,library}"  # embed: torch (CPU), sentence-transformers, MiniLM; library: faiss, louvain
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   -c requirements/constraints.txt -e ".[${EXTRAS}]"

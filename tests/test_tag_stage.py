@@ -20,10 +20,11 @@ from atlas.runner import run_stages
 from atlas.stages.tag import QUARANTINE_SCHEMA, TAG_SCHEMA
 
 
-def openai_tag(server, **extra):
+def openai_sections(server, tag: dict | None = None, **llm_extra) -> dict:
+    """Config sections for the openai engine against a FaultServer (fast timeouts and backoff)."""
     llm = {"engine": "openai", "base_url": server.base_url, "model": "test-model", "timeout_s": 1.0,
-           "max_retries": 2, "backoff_s": 0.01, "max_concurrency": 4} | extra
-    return {"llm": llm, "batch_size": 8}
+           "max_retries": 2, "backoff_s": 0.01, "max_concurrency": 4} | llm_extra
+    return {"llm": llm, "tag": {"batch_size": 8} | (tag or {})}
 
 
 def accounted(run: RunDir) -> tuple[int, int, int]:
@@ -78,7 +79,7 @@ def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsy
 
 def test_openai_engine_with_30_percent_faults_accounts_for_every_chunk(tmp_path, docs):
     with FaultServer(mode="mixed", fault_rate=0.3, seed=3, hang_s=3.0) as server:
-        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server)))
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server)))
         run_stages(config, log=lambda m: None)
         served = list(server.served)
     run = RunDir(config.run_dir)
@@ -95,7 +96,7 @@ def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, 
     """One attempt per chunk (max_attempts 1), so every bad answer is quarantined; HTTP 500s are sticky."""
     with FaultServer(mode="mixed", fault_rate=0.5, seed=5, sticky=True,
                      faults=("invalid_json", "truncated", "missing_field", "http_500")) as server:
-        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server) | {"max_attempts": 1}))
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server, tag={"max_attempts": 1})))
         run_stages(config, log=lambda m: None)
     run = RunDir(config.run_dir)
     n_chunks, n_tagged, n_quarantined = accounted(run)
@@ -114,7 +115,7 @@ def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, 
 def test_api_key_never_reaches_the_run_directory(tmp_path, docs, monkeypatch):
     monkeypatch.setenv("ATLAS_TEST_KEY", "sk-very-secret-123")
     with FaultServer(mode="ok") as server:
-        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server, api_key_env="ATLAS_TEST_KEY")))
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server, api_key_env="ATLAS_TEST_KEY")))
         run_stages(config, log=lambda m: None)
         assert server.headers[0]["authorization"] == "Bearer sk-very-secret-123"
     for path in (tmp_path / "run").rglob("*"):
@@ -126,8 +127,8 @@ def test_api_key_never_reaches_the_run_directory(tmp_path, docs, monkeypatch):
 def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, docs):
     """SIGKILL `atlas run` while it tags; the rerun asks the server only for what was not cached."""
     with FaultServer(mode="slow", slow_s=0.15) as server:
-        tag = openai_tag(server, max_concurrency=1) | {"batch_size": 2}
-        config_path = write_config(tmp_path, docs, tag=tag, execution={"progress": False})
+        sections = openai_sections(server, tag={"batch_size": 2}, max_concurrency=1)
+        config_path = write_config(tmp_path, docs, **sections, execution={"progress": False})
         command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--inline"]
         process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
@@ -152,7 +153,7 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
     reference = tmp_path / "reference"
     reference.mkdir()
     with FaultServer(mode="ok") as server:
-        run_stages(load_config(write_config(reference, docs, tag=openai_tag(server) | {"batch_size": 2})),
+        run_stages(load_config(write_config(reference, docs, **openai_sections(server, tag={"batch_size": 2}))),
                    log=lambda m: None)
     assert outputs(reference / "run") == outputs(tmp_path / "run")
 
@@ -161,7 +162,7 @@ def test_llm_relevance_judge_uses_the_papers_prompt(tmp_path, docs):
     from atlas.judge import judge_tags
 
     with FaultServer(mode="ok") as server:
-        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server)))
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server)))
         run_stages(config, log=lambda m: None)
         asked = len(server.requests)
         summary = judge_tags(config, sample=5)

@@ -9,7 +9,7 @@ import pytest
 from conftest import write_config, write_jsonl
 from fault_server import FaultServer
 from test_run import outputs
-from test_tag_stage import openai_tag
+from test_tag_stage import openai_sections
 
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # loads the embedding model
 def test_vocabulary_counts_chunks_and_cached_embeddings(tmp_path, demo_records):
     docs = write_jsonl(tmp_path / "docs.jsonl", [r for r in demo_records if r["data_src"] == "python-docs"][:6])
     with FaultServer(mode="ok") as server:
-        config = load_config(write_config(tmp_path, docs, tag=openai_tag(server), vocab={"min_count": 2}))
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server), vocab={"min_count": 2}))
         run_stages(config, log=lambda m: None)
     run = RunDir(config.run_dir)
     tags = pq.read_table(run.output_dir("tags")).to_pylist()

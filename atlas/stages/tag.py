@@ -51,11 +51,11 @@ def _prompt_path(config) -> str:
 
 def tag_engine(config):
     """The engine of the tag stage (the offline one also needs its embedding model)."""
-    if config.tag.llm.engine == "offline":
+    if config.llm.engine == "offline":
         from atlas.llm.offline import OfflineEngine
 
-        return OfflineEngine(config.tag.llm, embedding_model=config.tag.embedding_model)
-    return make_engine(config.tag.llm)
+        return OfflineEngine(config.llm, embedding_model=config.tag.embedding_model)
+    return make_engine(config.llm)
 
 
 class TagStage(Stage):
@@ -67,7 +67,7 @@ class TagStage(Stage):
     def identity(self) -> dict:
         _, _, files = load_schemas(self.config.tag)
         prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
-        tag = self.config.tag.model_dump(exclude={"llm", "prompt", "schema_dir"})
+        tag = self.config.tag.model_dump(exclude={"prompt", "schema_dir"})
         return {
             "version": TAG_STAGE_VERSION,
             "tag": tag,
