@@ -6,6 +6,7 @@
     atlas status RUN                          per stage: shards done/pending, counts, drops
     atlas inspect RUN chunks|tags [-n 5]      a few rows, readable
     atlas judge RUN [--sample 200]            relevance of tags to chunks, 1-5 (offline: a proxy)
+    atlas eval library RUN [--label-field L]  purity/NMI of concepts against known labels, concept relevance
     atlas demo-corpus OUT                     build the offline demo corpus
 """
 
@@ -139,13 +140,23 @@ def _print_text(text: str, limit: int) -> None:
 
 def cmd_inspect(args) -> int:
     import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
 
     from atlas.core.rundir import RunDir
 
     run = RunDir(args.run_dir)
     folder = run.output_dir(args.what)
-    if not sorted(folder.glob("part-*.parquet")):
+    if not sorted(folder.glob("*.parquet")):
         raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
+    if args.what == "library":  # concepts, most used first
+        for row in pq.read_table(folder / "concepts.parquet").slice(0, args.n).to_pylist():
+            print("-" * 100)
+            print(f"concept {row['concept_id']}: {row['name']}  ({row['chunk_count']} chunks, "
+                  f"prevalence {row['prevalence']:.4f}, merged from {len(row['merged_from'])} cluster(s))")
+            print(f"    {row['description']}")
+            print(f"    evidence: {', '.join(row['evidence_tags'][:8])}")
+            print(f"    lifted words: {', '.join(row['lifted_words'])}")
+        return 0
     if args.what == "tags":  # chunks with their tags, field by field
         tags = ds.dataset(folder, format="parquet").to_table().to_pylist()
         chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
@@ -191,6 +202,20 @@ def cmd_judge(args) -> int:
     summary = judge_tags(config, sample=args.sample, seed=args.seed)
     print(json.dumps(summary, indent=2))
     print(f"histograms and summary in {Path(args.run_dir) / 'report'}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
+    from atlas.evaluate import evaluate_library
+
+    manifest = RunDir(args.run_dir).read_manifest()
+    if not (RunDir(args.run_dir).output_dir("library") / "concepts.parquet").exists():
+        raise SystemExit(f"{args.run_dir}: no concept library yet; run the pipeline through the library stage first")
+    summary = evaluate_library(config_from_dict(manifest["config"]), args.label_field, args.sample, args.seed)
+    print(json.dumps(summary, indent=2))
+    print(f"written to {Path(args.run_dir) / 'report' / 'library_eval.json'}")
     return 0
 
 
@@ -244,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a few rows of a stage's output")
     p.add_argument("run_dir")
-    p.add_argument("what", help="output folder: chunks, tags, tag_vocab")
+    p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels, library")
     p.add_argument("-n", type=int, default=5, help="rows to show")
     p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
     p.set_defaults(fn=cmd_inspect)
@@ -256,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override the run's config, e.g. llm.engine=openai llm.base_url=http://host:8000/v1")
     p.set_defaults(fn=cmd_judge)
+
+    p = sub.add_parser("eval", help="evaluate an artifact against ground truth: `atlas eval library RUN`")
+    p.add_argument("what", choices=["library"])
+    p.add_argument("run_dir")
+    p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")
+    p.add_argument("--sample", type=int, default=200, help="chunks for the relevance judge (or proxy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")

@@ -120,6 +120,26 @@ class VocabConfig(Section):
     batch_size: int = Field(default=256, ge=1)  # tags per encode call; also the embedding cache's unit
 
 
+class LibraryConfig(Section):
+    """From the tag vocabulary to the concept library (paper 4.2.2): cluster, filter, label, merge."""
+
+    seed: int = 0
+    # k-sweep: None sweeps a grid from the vocabulary size (about n/200 to n/5); k fixes one value.
+    ks: list[int] | None = None
+    k: int | None = None
+    # Coherence filter (paper: core >= 9, random >= 8, edge >= 7 on a 1-10 scale, sets of 10 tags).
+    strata_size: int = Field(default=10, ge=2)
+    core_min: int = Field(default=9, ge=1, le=10)
+    random_min: int = Field(default=8, ge=1, le=10)
+    edge_min: int = Field(default=7, ge=1, le=10)
+    label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
+    # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
+    dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
+    dedup_m: int = Field(default=20, ge=1)
+    dedup_min_merged: float = Field(default=0.005, ge=0)  # stop early when a pass merges fewer than this share
+    lift_min_support: int = Field(default=3, ge=1)  # a word must occur this often in a concept's chunks to be "lifted"
+
+
 class ExecutionConfig(Section):
     orchestrator: Literal["prefect", "inline"] = "prefect"  # inline: plain loop, no Prefect (debugging)
     # threads: the chunker's heavy calls (BlingFire, tiktoken) release the GIL. processes: separate Python
@@ -137,6 +157,7 @@ class AtlasConfig(Section):
     chunk: ChunkConfig = Field(default_factory=ChunkConfig)
     tag: TagConfig = Field(default_factory=TagConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)
+    library: LibraryConfig = Field(default_factory=LibraryConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("name")

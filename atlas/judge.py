@@ -12,7 +12,6 @@ writes ``RUN/report/tag_relevance.json`` and histograms of per-chunk and per-tag
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import string
@@ -23,10 +22,11 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT, AtlasConfig
-from atlas.core.files import atomic_write_bytes, atomic_write_json
+from atlas.core.files import atomic_write_json
 from atlas.core.rundir import RunDir
 from atlas.llm.engine import LLMRequest
 from atlas.llm.prompts import load_prompt
+from atlas.report import histogram
 
 MAX_CONCEPTS_PER_REQUEST = 26  # letters A-Z
 
@@ -59,28 +59,8 @@ def _parse_scores(text: str | None, n: int) -> list[int] | None:
     return scores if all(1 <= s <= 5 for s in scores) else None
 
 
-def _histogram(values: list[float], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
-    ax.hist(values, bins=np.linspace(1, 5, 17), color="#4c72b0", edgecolor="white")
-    ax.set_xlabel("average relevance (1-5)")
-    ax.set_ylabel("count")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-
-
 def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size: int = 64) -> dict:
     """Judge the tags of ``sample`` random tagged chunks; returns (and writes) the summary."""
-    from atlas.stages.tag import tag_engine
-
     run = RunDir(config.run_dir)
     tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "tag_norm"]).to_pylist()
     by_chunk: dict[str, list[str]] = defaultdict(list)
@@ -96,29 +76,38 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
                 texts[row["chunk_id"]] = row["chunk_text"]
     samples = [(c, texts[c], by_chunk[c][:MAX_CONCEPTS_PER_REQUEST]) for c in chosen]
 
+    return judge_pairs(config, samples, batch_size, what="tag", report=run.root / "report")
+
+
+def judge_pairs(config: AtlasConfig, samples: list[tuple[str, str, list[str]]], batch_size: int = 64,
+                what: str = "concept", report: Path | None = None) -> dict:
+    """Score (item, chunk) pairs: ``samples`` holds (chunk id, chunk text, items). Writes the summary
+    and histograms to ``report`` when given (``<what>_relevance.json`` and two PNGs)."""
+    from atlas.stages.tag import tag_engine
+
     prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_relevance.yaml",
                          {"system": set(), "user": {"text_chunk", "concepts_with_descriptions"}})
     engine = tag_engine(config)
     engine.setup()
     proxy = config.llm.engine == "offline"
-    per_chunk, per_tag, all_scores, failed = {}, defaultdict(list), [], 0
+    per_chunk, per_item, all_scores, failed = {}, defaultdict(list), [], 0
     try:
         for start in range(0, len(samples), batch_size):
             batch = samples[start : start + batch_size]
-            for (chunk_id, _, chunk_tags), result in zip(batch, engine.generate(_requests(batch, prompt))):
-                scores = _parse_scores(result.text, len(chunk_tags))
+            for (chunk_id, _, items), result in zip(batch, engine.generate(_requests(batch, prompt))):
+                scores = _parse_scores(result.text, len(items))
                 if scores is None:
                     failed += 1
                     continue
                 per_chunk[chunk_id] = float(np.mean(scores))
-                for tag, score in zip(chunk_tags, scores):
-                    per_tag[tag].append(score)
+                for item, score in zip(items, scores):
+                    per_item[item].append(score)
                 all_scores.extend(scores)
     finally:
         engine.close()
 
     scores = np.array(all_scores, dtype=float)
-    tag_means = [float(np.mean(v)) for v in per_tag.values()]
+    item_means = [float(np.mean(v)) for v in per_item.values()]
     summary = {
         "judge": "embedding-similarity PROXY (offline engine), not an LLM judge" if proxy else
                  f"LLM judge: {config.llm.model} via {config.llm.engine}",
@@ -128,12 +117,16 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
         "success_rate": float((scores >= 2).mean()) if scores.size else None,  # paper: a score >= 2 is success
         "per_chunk_mean_success_rate": float(np.mean([m >= 2 for m in per_chunk.values()])) if per_chunk else None,
         "score_counts": {str(s): int((scores == s).sum()) for s in range(1, 6)},
-        "unique_tags": len(per_tag),
+        "unique_items": len(per_item),
     }
-    report = run.root / "report"
+    if report is None:
+        return summary
     label = " (proxy)" if proxy else ""
     if per_chunk:
-        _histogram(list(per_chunk.values()), f"tag relevance per chunk{label}", report / "tag_relevance_per_chunk.png")
-        _histogram(tag_means, f"tag relevance per tag{label}", report / "tag_relevance_per_tag.png")
-    atomic_write_json(report / "tag_relevance.json", summary)
+        bins = np.linspace(1, 5, 17)
+        histogram(list(per_chunk.values()), report / f"{what}_relevance_per_chunk.png",
+                  f"{what} relevance per chunk{label}", "average relevance (1-5)", bins)
+        histogram(item_means, report / f"{what}_relevance_per_{what}.png", f"{what} relevance per {what}{label}",
+                  "average relevance (1-5)", bins)
+    atomic_write_json(report / f"{what}_relevance.json", summary)
     return summary

@@ -2,6 +2,13 @@
 
 from atlas.stages.chunk import ChunkStage
 from atlas.stages.tag import TagStage
+from atlas.stages.cluster import ClusterStage
+from atlas.stages.coherence import CoherenceStage
+from atlas.stages.label import LabelStage
+from atlas.stages.library import LibraryStage
 from atlas.stages.vocab import VocabStage
 
-STAGES = {stage.name: stage for stage in (ChunkStage, TagStage, VocabStage)}
+STAGES = {
+    stage.name: stage
+    for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage)
+}

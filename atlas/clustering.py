@@ -1,0 +1,179 @@
+"""Spherical k-means over tag embeddings, nearest-centroid assignment and cluster-quality metrics.
+
+All functions take L2-normalized float32 embeddings, so the inner product is the cosine similarity: centroids are
+kept on the unit sphere (spherical k-means) and points go to the centroid with the largest inner product.
+
+FAISS does the heavy lifting because the concept library clusters on the order of a million tags into up to 100k
+concepts: its k-means trains on a random subsample of ``k * max_points_per_centroid`` points, and assigning every
+point afterwards is one exact inner-product search. scikit-learn is only used for the quality metrics, which are
+computed on a bounded random sample.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+from sklearn.metrics import davies_bouldin_score, silhouette_score
+
+# Mantissas of the 1-2-5 series: the "nice" values the default k grid is rounded to.
+_NICE_MANTISSAS = (1, 2, 5, 10)
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    """Return a float32 copy of ``x`` with unit-length rows (zero rows stay zero rather than becoming NaN)."""
+    x = np.array(x, dtype=np.float32, copy=True, ndmin=2)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    np.divide(x, norms, out=x, where=norms > 0)
+    return x
+
+
+def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per_centroid: int = 256,
+           verbose: bool = False) -> np.ndarray:
+    """Spherical k-means with FAISS: fit on a sample, so that assigning everything is the only pass over all points.
+
+    FAISS draws (with ``seed``) a random subsample of ``k * max_points_per_centroid`` points when ``x`` has more
+    rows than that, and runs Lloyd iterations on the sample only. This is what makes sweeping large ``k`` over a
+    vocabulary of ~1M tags affordable: the training cost is bounded by the sample, not by the vocabulary. The
+    centroids say nothing about points outside the sample until :func:`assign` is run over all of ``x``.
+
+    Initialization is FAISS' default (``k`` distinct random sample points, one run). Like any Lloyd-style k-means
+    this can end in a local optimum, which shows most at small ``k``: on 5 well-separated blobs, half to two thirds
+    of the seeds merge two blobs and split another. At the large ``k`` the library sweeps, a few merged or split
+    clusters are a small fraction of the whole.
+
+    The result depends only on the data, ``k``, ``seed``, ``niter`` and ``max_points_per_centroid`` (and the FAISS
+    build): two calls with the same arguments give identical centroids. A GPU is used when the installed FAISS
+    sees one.
+
+    Args:
+        x: Embeddings, shape (n, d), L2-normalized rows.
+        k: Number of clusters. If ``k >= n`` there is nothing to fit: ``k`` is clamped to ``n`` and the
+            normalized points themselves are returned (in their order), so the result has ``n`` rows, not ``k``.
+        seed: Seed of both the subsample and the initialization.
+        niter: Lloyd iterations.
+        max_points_per_centroid: Size of the training subsample per centroid (FAISS' default is 256).
+        verbose: Let FAISS print its sampling and per-iteration progress.
+
+    Returns:
+        Centroids, float32 array of shape (min(k, n), d) with L2-normalized rows.
+
+    Raises:
+        ValueError: If ``x`` is not a non-empty 2-D array or ``k < 1``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"expected a non-empty (n, d) array, got shape {x.shape}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    n, d = x.shape
+    if k >= n:
+        return _normalize(x)
+    # min_points_per_centroid only controls FAISS' "please provide at least ... points" warning on stderr; the
+    # k grid deliberately goes down to ~5 points per cluster, so the warning would only be noise.
+    km = faiss.Kmeans(d, k, niter=niter, seed=seed, spherical=True, max_points_per_centroid=max_points_per_centroid,
+                      min_points_per_centroid=1, verbose=verbose, gpu=faiss.get_num_gpus() > 0)
+    km.train(x)
+    return _normalize(km.centroids)
+
+
+def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+    """Assign every point to its nearest centroid by inner product (cosine similarity for normalized inputs).
+
+    The search is exact (``faiss.IndexFlatIP``) and runs in batches of ``batch_size`` rows, so the only extra memory
+    is one batch converted to float32 and its results, whatever the number of points.
+
+    Args:
+        x: Embeddings, shape (n, d), L2-normalized rows.
+        centroids: Shape (k, d), L2-normalized rows, e.g. from :func:`kmeans`.
+        batch_size: Rows searched per FAISS call.
+
+    Returns:
+        ``(labels, similarity)``: the index of the nearest centroid (int64, shape (n,)) and the inner product with
+        it (float32, shape (n,)).
+    """
+    x = np.asarray(x)
+    centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+    if x.ndim != 2 or centroids.ndim != 2 or x.shape[1] != centroids.shape[1]:
+        raise ValueError(f"shape mismatch: points {x.shape}, centroids {centroids.shape}")
+    if centroids.shape[0] == 0:
+        raise ValueError("no centroids to assign to")
+    index = faiss.IndexFlatIP(centroids.shape[1])
+    index.add(centroids)
+    labels = np.empty(x.shape[0], dtype=np.int64)
+    similarity = np.empty(x.shape[0], dtype=np.float32)
+    for start in range(0, x.shape[0], batch_size):
+        batch = np.ascontiguousarray(x[start:start + batch_size], dtype=np.float32)
+        sims, ids = index.search(batch, 1)
+        labels[start:start + len(batch)] = ids[:, 0]
+        similarity[start:start + len(batch)] = sims[:, 0]
+    return labels, similarity
+
+
+def cluster_quality(x: np.ndarray, labels: np.ndarray, sample: int = 10000, seed: int = 0) -> dict:
+    """Silhouette (cosine) and Davies-Bouldin scores of a clustering, on a random sample of at most ``sample`` points.
+
+    Both metrics are quadratic or worse in the number of points, so they are computed on one random sample
+    (drawn with ``seed``), which keeps a sweep over ``k`` cheap and comparable across ``k``. Davies-Bouldin uses
+    Euclidean distances, which for unit vectors order pairs exactly as cosine distance does.
+
+    Degenerate input (fewer than 3 points, fewer than 2 clusters in the sample, or every sampled point in its own
+    cluster) has no defined score: both values are then NaN instead of an exception, so a sweep never stops on
+    an extreme ``k``.
+
+    Args:
+        x: Embeddings, shape (n, d), L2-normalized rows.
+        labels: Cluster of each point, shape (n,).
+        sample: Most points to score.
+        seed: Seed of the sample.
+
+    Returns:
+        ``{"silhouette": float, "davies_bouldin": float}``: silhouette in [-1, 1], higher is better;
+        Davies-Bouldin >= 0, lower is better.
+    """
+    nan = {"silhouette": float("nan"), "davies_bouldin": float("nan")}
+    x = np.asarray(x)
+    labels = np.asarray(labels)
+    n = x.shape[0] if x.ndim == 2 else 0
+    if n < 3 or labels.shape != (n,):
+        return nan
+    rows = np.sort(np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False))
+    xs, ls = np.asarray(x[rows], dtype=np.float32), labels[rows]
+    if not 2 <= len(np.unique(ls)) <= len(rows) - 1:  # the range both scikit-learn metrics accept
+        return nan
+    return {"silhouette": float(silhouette_score(xs, ls, metric="cosine", sample_size=len(rows), random_state=seed)),
+            "davies_bouldin": float(davies_bouldin_score(xs, ls))}
+
+
+def _nice(value: float) -> int:
+    """Round ``value`` to the nearest number of the 1-2-5 series (1, 2, 5, 10, 20, 50, ...), nearest in log scale."""
+    exponent = math.floor(math.log10(value))
+    candidates = [m * 10 ** exponent for m in _NICE_MANTISSAS]
+    return int(min(candidates, key=lambda c: abs(math.log(c / value))))
+
+
+def k_grid(n_items: int, ks: list[int] | None) -> list[int]:
+    """The numbers of clusters to sweep for ``n_items`` points.
+
+    Every ``k`` must satisfy ``2 <= k < n_items``: one cluster, or one cluster per point, tells nothing about
+    the vocabulary. Given values outside that range are dropped, not clamped, so a configured grid is never
+    silently changed into different values.
+
+    Without ``ks`` the grid is 6 log-spaced values from ``max(2, n_items // 200)`` to ``n_items // 5``, each
+    rounded to the 1-2-5 series and kept within that range (duplicates after rounding are merged, so small
+    ``n_items`` give fewer values). For 1M tags this is 5k, 10k, 20k, 50k, 100k, 200k: clusters of ~200 down to
+    ~5 tags. For comparison, the paper swept {100, 500, 1k, 10k, 20k, 30k, 50k, 80k, 100k} for ~1M tags, i.e.
+    mostly between n/100 and n/10; pass ``ks`` to reproduce it.
+
+    Args:
+        n_items: Number of points to cluster.
+        ks: Explicit values, or None for the default grid.
+
+    Returns:
+        Sorted, unique values of ``k``; empty when ``n_items < 3``.
+    """
+    if ks is None:
+        low, high = max(2, n_items // 200), max(2, n_items // 5)
+        ks = [min(max(_nice(v), low), high) for v in np.geomspace(low, high, num=6)]
+    return sorted({int(k) for k in ks if 2 <= k < n_items})

@@ -1,0 +1,219 @@
+"""Stage ``library`` (global): merge near-duplicate concepts and write the concept library (paper 4.2.2).
+
+Dedup: each concept is embedded as "name: description"; edges join the ``library.dedup_m`` nearest
+concepts with cosine >= tau; Louvain communities (python-louvain, seeded) are merged into one
+concept, and the pass repeats with the next tau (0.95, 0.90, 0.85), stopping early when a pass
+merges fewer than ``library.dedup_min_merged`` of the concepts. A merged concept keeps the name
+and description of its most used member (offline) or gets new ones from the LLM labeler, and
+records every cluster it came from (``merged_from``).
+
+    library/concepts.parquet        concept_id (dense, by chunk_count), domain, name, description,
+                                    evidence_tags, n_tags, chunk_count, prevalence, taxonomy_path,
+                                    merged_from, lifted_words
+    library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped)
+    library/config.json             k, thresholds, models, dedup passes, domain offsets, stage hashes
+    report/concept_sizes.png, report/concept_map.png
+
+Lifted words (paper 4.4, appendix D.1): lift(w, c) = P(w | c) / P(w) over the words of the chunks
+a concept covers, for words seen in at least ``library.lift_min_support`` of them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas.core.files import atomic_write_json, atomic_write_parquet
+from atlas.core.rundir import RunDir
+from atlas.core.stage import Stage
+from atlas.core.stats import Stats
+from atlas.embed import Embedder
+from atlas.llm.engine import make_engine
+from atlas.stages.label import label_prompt, llm_labels, make_unique
+from atlas.stages.vocab import EmbeddingCache
+
+LIBRARY_VERSION = 1
+LIFTED_KEPT = 10
+CONCEPT_SCHEMA = pa.schema(
+    [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
+     ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("chunk_count", pa.int64()),
+     ("prevalence", pa.float64()), ("taxonomy_path", pa.string()), ("merged_from", pa.list_(pa.int64())),
+     ("lifted_words", pa.list_(pa.string()))]
+)
+TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64())])
+
+
+def lifted_words(chunk_texts: list[str], members: list[np.ndarray], min_support: int, top: int = LIFTED_KEPT):
+    """For each concept (its chunk indices), the words with the highest lift P(w|c) / P(w)."""
+    from scipy import sparse
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    if not chunk_texts:
+        return [[] for _ in members]
+    vectorizer = CountVectorizer(binary=True, stop_words="english", token_pattern=r"(?u)\b[a-zA-Z][a-zA-Z]{2,}\b")
+    words = vectorizer.fit_transform(chunk_texts).tocsc()  # chunks x words, 1 if the word occurs
+    vocabulary = vectorizer.get_feature_names_out()
+    p_word = np.asarray(words.sum(axis=0)).ravel() / len(chunk_texts)
+    rows = np.concatenate([np.full(len(m), i) for i, m in enumerate(members)]) if members else np.array([], int)
+    cols = np.concatenate(members) if members else np.array([], int)
+    membership = sparse.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(members), len(chunk_texts)))
+    in_concept = (membership @ words).toarray() if len(members) * len(vocabulary) < 5e7 else None
+    out = []
+    for i, chunks in enumerate(members):
+        counts = in_concept[i] if in_concept is not None else np.asarray((membership[i] @ words).todense()).ravel()
+        lift = np.where(counts >= min_support, (counts / max(len(chunks), 1)) / np.maximum(p_word, 1e-12), 0)
+        best = [j for j in np.lexsort((vocabulary, -counts, -lift))[:top] if lift[j] > 1]
+        out.append([str(vocabulary[j]) for j in best])
+    return out
+
+
+class LibraryStage(Stage):
+    name = "library"
+    output = "library"
+    kind = "global"
+    upstream = ("label",)
+
+    def identity(self) -> dict:
+        c = self.config.library
+        identity = {"version": LIBRARY_VERSION, "seed": c.seed, "taus": c.dedup_taus, "m": c.dedup_m,
+                    "min_merged": c.dedup_min_merged, "lift_min_support": c.lift_min_support,
+                    "embedding_model": self.config.vocab.embedding_model}
+        if self.config.llm.engine == "offline":
+            return identity
+        return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
+
+    def setup(self) -> None:
+        self.embedder = Embedder(self.config.vocab.embedding_model)
+
+    def run_shard(self, run: RunDir, shard: int) -> Stats:
+        labels = pq.read_table(run.part_path("labels", 0)).to_pylist()
+        concepts = [{"name": r["name"], "description": r["description"], "count": r["count"], "n_tags": r["n_tags"],
+                     "evidence": list(r["evidence_tags"]), "merged_from": [r["cluster_id"]]} for r in labels]
+        stats = Stats({"concepts_labeled": len(concepts)})
+        passes = self._dedup(concepts, run, stats)
+
+        clusters = pq.read_table(run.part_path("clusters", 0)).to_pydict()
+        vocab = pq.read_table(run.part_path("tag_vocab", 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
+        chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
+        tags_of_cluster: dict[int, list[str]] = {}
+        for tag, cluster in zip(clusters["tag_norm"], clusters["cluster_id"]):
+            tags_of_cluster.setdefault(cluster, []).append(tag)
+        for concept in concepts:
+            covered = {chunk for cluster in concept["merged_from"] for tag in tags_of_cluster.get(cluster, [])
+                       for chunk in chunks_of_tag[tag]}
+            concept["chunks"] = sorted(covered)
+        concepts.sort(key=lambda c: (-len(c["chunks"]), c["name"]))  # dense ids, most used first
+
+        chunk_ids = sorted({c for chunks in vocab["chunk_ids"] for c in chunks})
+        index = {c: i for i, c in enumerate(chunk_ids)}
+        texts = self._chunk_texts(run, index)
+        lifted = lifted_words(texts, [np.array([index[c] for c in cc["chunks"]], dtype=int) for cc in concepts],
+                              self.config.library.lift_min_support)
+        rows = [{"concept_id": i, "domain": "content", "name": c["name"], "description": c["description"],
+                 "evidence_tags": c["evidence"], "n_tags": c["n_tags"], "chunk_count": len(c["chunks"]),
+                 "prevalence": len(c["chunks"]) / max(len(chunk_ids), 1), "taxonomy_path": None,
+                 "merged_from": sorted(c["merged_from"]), "lifted_words": words}
+                for i, (c, words) in enumerate(zip(concepts, lifted))]
+        concept_of_cluster = {cluster: row["concept_id"] for row in rows for cluster in row["merged_from"]}
+        mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
+                   "concept_id": [concept_of_cluster.get(cluster) for cluster in clusters["cluster_id"]]}
+
+        folder = run.output_dir(self.output)
+        atomic_write_parquet(folder / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPT_SCHEMA))
+        atomic_write_parquet(folder / "tag_to_concept.parquet", pa.table(mapping, schema=TAG_TO_CONCEPT_SCHEMA))
+        sweep = json.loads((run.output_dir("clusters") / "_sweep.json").read_text())
+        manifest = run.read_manifest()
+        atomic_write_json(folder / "config.json", {
+            "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": {"content": 0},
+            "k": sweep["chosen_k"], "library": self.config.library.model_dump(),
+            "embedding_model": self.config.vocab.embedding_model, "llm_engine": self.config.llm.engine,
+            "dedup_passes": passes,
+            "stage_hashes": {name: info["hash"] for name, info in manifest.get("stages", {}).items()},
+        })
+        stats.inc("concepts_out", len(rows))
+        stats.inc("tags_mapped", sum(c is not None for c in mapping["concept_id"]))
+        stats.inc("tags_unmapped", sum(c is None for c in mapping["concept_id"]))
+        self._plot(run, rows)
+        return stats
+
+    def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
+        cache = EmbeddingCache(run.root / "_cache" / "embeddings", self.config.vocab.embedding_model)
+        try:
+            vectors = cache.get(texts)
+            if vectors is None:
+                vectors = self.embedder.encode(texts).astype(np.float16)
+                cache.put(texts, vectors)
+        finally:
+            cache.close()
+        return vectors.astype(np.float32)
+
+    def _dedup(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
+        from atlas.communities import merge_pass
+
+        c, passes = self.config.library, []
+        for tau in c.dedup_taus:
+            before = len(concepts)
+            if before < 2:
+                break
+            vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            communities = merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed)
+            groups: dict[int, list[dict]] = {}
+            for concept, community in zip(concepts, communities.tolist()):
+                groups.setdefault(community, []).append(concept)
+            merged = [self._merge(group) for group in groups.values()]
+            if self.config.llm.engine != "offline":
+                renamed = [i for i, g in enumerate(groups.values()) if len(g) > 1]
+                evidence = [[(t, 1) for t in merged[i]["evidence"]] for i in renamed]
+                for i, answer in zip(renamed, llm_labels(self.config, evidence) if renamed else []):
+                    if answer is not None:
+                        merged[i]["name"], merged[i]["description"] = answer
+            names = make_unique([m["name"] for m in merged], [m["evidence"] for m in merged])
+            for concept, name in zip(merged, names):
+                concept["name"] = name
+            concepts[:] = merged
+            passes.append({"tau": tau, "concepts_before": before, "concepts_after": len(merged)})
+            stats.inc(f"dedup_merged_tau_{tau:.2f}", before - len(merged))
+            if (before - len(merged)) < c.dedup_min_merged * before:
+                break
+        return passes
+
+    @staticmethod
+    def _merge(group: list[dict]) -> dict:
+        """One concept from a community: the most used member's label, everything's evidence and lineage."""
+        if len(group) == 1:
+            return group[0]
+        group = sorted(group, key=lambda x: (-x["count"], x["name"]))
+        evidence = list(dict.fromkeys(t for x in group for t in x["evidence"]))[:20]
+        return {"name": group[0]["name"], "description": group[0]["description"],
+                "count": sum(x["count"] for x in group), "n_tags": sum(x["n_tags"] for x in group),
+                "evidence": evidence, "merged_from": sorted(m for x in group for m in x["merged_from"])}
+
+    @staticmethod
+    def _chunk_texts(run: RunDir, index: dict[str, int]) -> list[str]:
+        texts = [""] * len(index)
+        for part in sorted(run.output_dir("chunks").glob("part-*.parquet")):
+            for row in pq.read_table(part, columns=["chunk_id", "chunk_text"]).to_pylist():
+                if row["chunk_id"] in index:
+                    texts[index[row["chunk_id"]]] = row["chunk_text"]
+        return texts
+
+    def _plot(self, run: RunDir, rows: list[dict]) -> None:
+        from atlas.report import histogram, scatter
+
+        if not rows:
+            return
+        sizes = np.array([r["chunk_count"] for r in rows])
+        histogram(sizes, run.root / "report" / "concept_sizes.png", f"{len(rows)} concepts: chunks per concept",
+                  "chunks (log scale bins)", bins=np.unique(np.geomspace(1, max(sizes.max(), 2), 25).round()),
+                  log_y=True)
+        if len(rows) >= 3:
+            vectors = self._embed([f"{r['name']}: {r['description']}" for r in rows], run)
+            centered = vectors - vectors.mean(axis=0)
+            points = centered @ np.linalg.svd(centered, full_matrices=False)[2][:2].T  # PCA to 2-D
+            named = {i: rows[i]["name"] for i in range(min(25, len(rows)))}
+            scatter(points, 4 + 60 * sizes / sizes.max(), named, run.root / "report" / "concept_map.png",
+                    "concept map (PCA of name + description embeddings; 25 largest named)")
