@@ -136,8 +136,8 @@ class LibraryConfig(Section):
     # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
     dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
     dedup_m: int = Field(default=20, ge=1)
-    dedup_min_merged: float = Field(default=0.005, ge=0)  # stop early when a pass merges fewer than this share
-    lift_min_support: int = Field(default=3, ge=1)  # a word must occur this often in a concept's chunks to be "lifted"
+    dedup_min_merged: float = Field(default=0.005, ge=0)  # repeat a tau while a pass merges more than this share
+    lift_min_support: int = Field(default=5, ge=1)  # a word must occur in this many of a concept's chunks to be "lifted"
 
 
 class ExecutionConfig(Section):

@@ -141,7 +141,8 @@ def run_stages(
                 raise RunConflict(
                     f"{run.root} already holds stage '{name}' computed with a different configuration or input:\n"
                     f"{_describe_difference(previous.get('identity', {}), identity)}\n"
-                    f"Use another --run-dir, or --force to recompute '{name}' and the stages after it."
+                    f"Use another --run-dir, or recompute '{name}' and the stages after it with "
+                    f"--force --stages {','.join([name, *stages_after(name)])}"
                 )
         if force or (previous and previous["hash"] != stage_hash):
             later = stages_after(name)

@@ -2,8 +2,8 @@
 
 Dedup: each concept is embedded as "name: description"; edges join the ``library.dedup_m`` nearest
 concepts with cosine >= tau; Louvain communities (python-louvain, seeded) are merged into one
-concept, and the pass repeats with the next tau (0.95, 0.90, 0.85), stopping early when a pass
-merges fewer than ``library.dedup_min_merged`` of the concepts. A merged concept keeps the name
+concept. At each tau (0.95, 0.90, 0.85) the concepts are re-embedded and the pass repeated (at
+most 3 times) until a pass merges no more than ``library.dedup_min_merged`` of them. A merged concept keeps the name
 and description of its most used member (offline) or gets new ones from the LLM labeler, and
 records every cluster it came from (``merged_from``).
 
@@ -31,12 +31,14 @@ from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.embed import Embedder
+from atlas.communities import merge_pass
 from atlas.llm.engine import make_engine
 from atlas.stages.label import label_prompt, llm_labels, make_unique
 from atlas.stages.vocab import EmbeddingCache
 
 LIBRARY_VERSION = 1
 LIFTED_KEPT = 10
+MAX_PASSES_PER_TAU = 3
 CONCEPT_SCHEMA = pa.schema(
     [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
      ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("chunk_count", pa.int64()),
@@ -151,35 +153,37 @@ class LibraryStage(Stage):
         return vectors.astype(np.float32)
 
     def _dedup(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
-        from atlas.communities import merge_pass
-
         c, passes = self.config.library, []
         for tau in c.dedup_taus:
-            before = len(concepts)
-            if before < 2:
-                break
-            vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
-            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-            communities = merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed)
-            groups: dict[int, list[dict]] = {}
-            for concept, community in zip(concepts, communities.tolist()):
-                groups.setdefault(community, []).append(concept)
-            merged = [self._merge(group) for group in groups.values()]
-            if self.config.llm.engine != "offline":
-                renamed = [i for i, g in enumerate(groups.values()) if len(g) > 1]
-                evidence = [[(t, 1) for t in merged[i]["evidence"]] for i in renamed]
-                for i, answer in zip(renamed, llm_labels(self.config, evidence) if renamed else []):
-                    if answer is not None:
-                        merged[i]["name"], merged[i]["description"] = answer
-            names = make_unique([m["name"] for m in merged], [m["evidence"] for m in merged])
-            for concept, name in zip(merged, names):
-                concept["name"] = name
-            concepts[:] = merged
-            passes.append({"tau": tau, "concepts_before": before, "concepts_after": len(merged)})
-            stats.inc(f"dedup_merged_tau_{tau:.2f}", before - len(merged))
-            if (before - len(merged)) < c.dedup_min_merged * before:
-                break
+            for _ in range(MAX_PASSES_PER_TAU):  # re-embed and repeat while a pass still merges something
+                before = len(concepts)
+                if before < 2:
+                    return passes
+                merged = self._merge_once(concepts, tau, run)
+                concepts[:] = merged
+                passes.append({"tau": tau, "concepts_before": before, "concepts_after": len(merged)})
+                stats.inc(f"dedup_merged_tau_{tau:.2f}", before - len(merged))
+                if before - len(merged) <= c.dedup_min_merged * before:
+                    break
         return passes
+
+    def _merge_once(self, concepts: list[dict], tau: float, run: RunDir) -> list[dict]:
+        c = self.config.library
+        vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        groups: dict[int, list[dict]] = {}
+        for concept, community in zip(concepts, merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed).tolist()):
+            groups.setdefault(community, []).append(concept)
+        merged = [self._merge(group) for group in groups.values()]
+        if self.config.llm.engine != "offline":
+            renamed = [i for i, g in enumerate(groups.values()) if len(g) > 1]
+            evidence = [[(t, 1) for t in merged[i]["evidence"]] for i in renamed]
+            for i, answer in zip(renamed, llm_labels(self.config, evidence) if renamed else []):
+                if answer is not None:
+                    merged[i]["name"], merged[i]["description"] = answer
+        for concept, name in zip(merged, make_unique([m["name"] for m in merged], [m["evidence"] for m in merged])):
+            concept["name"] = name
+        return merged
 
     @staticmethod
     def _merge(group: list[dict]) -> dict:
