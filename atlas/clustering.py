@@ -52,7 +52,7 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
         k: Number of clusters. If ``k >= n`` there is nothing to fit: ``k`` is clamped to ``n`` and the
             normalized points themselves are returned (in their order), so the result has ``n`` rows, not ``k``.
         seed: Seed of both the subsample and the initialization.
-        niter: Lloyd iterations.
+        niter: Most Lloyd iterations; FAISS stops earlier once an iteration no longer lowers the objective.
         max_points_per_centroid: Size of the training subsample per centroid (FAISS' default is 256).
         verbose: Let FAISS print its sampling and per-iteration progress.
 

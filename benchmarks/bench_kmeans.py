@@ -4,9 +4,9 @@
                                       [--threads T]
 
 data     = ``--n`` synthetic unit vectors: a uniform mixture of 2,000 random directions plus Gaussian noise of
-           norm ~1 (cosine to their direction ~0.7, like neighbouring tag embeddings), float32
-atlas    = ``atlas.clustering.kmeans(x, k)`` (FAISS spherical k-means, 20 iterations on a subsample of k * 256
-           points) + ``assign(x, centroids)`` over all n points
+           norm ~1 (cosine ~0.7 to their direction), float32
+atlas    = ``atlas.clustering.kmeans(x, k)`` (FAISS spherical k-means, at most 20 iterations on a subsample of
+           k * 256 points) + ``assign(x, centroids)`` over all n points
 baseline = ``MiniBatchKMeans(k, batch_size=4096, n_init=1, max_iter=20, random_state=seed).fit(x)`` +
            ``.predict(x)``; at most 20 passes over the data, usually far fewer because of its early stopping
            (``max_no_improvement=10`` mini-batches)
@@ -16,9 +16,10 @@ the training data) to their nearest centroid, with both sets of centroids normal
 each side, the speed-up baseline / atlas, the quality of each and the passes the baseline made over the data.
 
 Before running, the script times the two kernels the sides spend their time in (a dense points x centroids
-product, and scikit-learn's k-means++ seeding of the baseline) and prints an estimate of every run: at the
-defaults (1M points, k up to 10,000) expect more than an hour on a machine with one or two cores, mostly atlas
-at k = 10,000, whose 20 iterations then run on all 1M points (10,000 * 256 > 1M).
+product, and scikit-learn's k-means++ seeding of the baseline) and prints an estimate of every run. It is an
+upper bound, often 2 to 4 times the real time: it assumes all 20 iterations (FAISS stops once converged) and
+NumPy's product speed (FAISS' is higher). At the defaults (1M points, k up to 10,000) expect about half an hour
+on one core, mostly k = 10,000, where atlas' iterations run on all 1M points (10,000 * 256 > 1M).
 
 Both sides get the same threads: the environment's (``OMP_NUM_THREADS``), or ``--threads`` for the OpenMP and BLAS
 pools of FAISS, NumPy and scikit-learn alike. On a VM whose vCPUs are not backed by as many real cores, spinning
@@ -120,7 +121,7 @@ def main() -> None:
         run_baseline = args.baseline_max_k is None or k <= args.baseline_max_k
         total += atlas + (high if run_baseline else 0.0)
         baseline = f"baseline {low / 60:.1f} to {high / 60:.1f} min" if run_baseline else "baseline skipped"
-        print(f"  estimate k={k}: atlas {atlas / 60:.1f} min, {baseline}")
+        print(f"  estimate (upper bound) k={k}: atlas {atlas / 60:.1f} min, {baseline}")
     if total > 20 * 60:
         print(f"WARNING: this may take up to ~{total / 3600:.1f} h; a smaller --n or --baseline-max-k K is faster")
 

@@ -19,6 +19,8 @@ from atlas.core.rundir import RunDir
 from atlas.runner import run_stages
 from atlas.stages.tag import QUARANTINE_SCHEMA, TAG_SCHEMA
 
+TAGGING = ["chunk", "tag"]  # these tests stop after tagging; the library has its own tests
+
 
 def openai_sections(server, tag: dict | None = None, **llm_extra) -> dict:
     """Config sections for the openai engine against a FaultServer (fast timeouts and backoff)."""
@@ -48,7 +50,7 @@ def docs(tmp_path, demo_records):
 @pytest.mark.slow
 def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsys):
     config = load_config(write_config(tmp_path, docs, tag={"batch_size": 16}))
-    run_stages(config, log=lambda m: None)
+    run_stages(config, TAGGING, log=lambda m: None)
     run = RunDir(config.run_dir)
     table = pq.read_table(run.output_dir("tags"))
     assert table.schema.equals(TAG_SCHEMA)
@@ -64,7 +66,7 @@ def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsy
 
     again = tmp_path / "again"
     again.mkdir()
-    run_stages(load_config(write_config(again, docs, tag={"batch_size": 16})), log=lambda m: None)
+    run_stages(load_config(write_config(again, docs, tag={"batch_size": 16})), TAGGING, log=lambda m: None)
     assert outputs(again / "run") == outputs(tmp_path / "run")
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "run"), "tags", "-n", "2"]) == 0
@@ -80,7 +82,7 @@ def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsy
 def test_openai_engine_with_30_percent_faults_accounts_for_every_chunk(tmp_path, docs):
     with FaultServer(mode="mixed", fault_rate=0.3, seed=3, hang_s=3.0) as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server)))
-        run_stages(config, log=lambda m: None)
+        run_stages(config, TAGGING, log=lambda m: None)
         served = list(server.served)
     run = RunDir(config.run_dir)
     n_chunks, n_tagged, n_quarantined = accounted(run)
@@ -97,7 +99,7 @@ def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, 
     with FaultServer(mode="mixed", fault_rate=0.5, seed=5, sticky=True,
                      faults=("invalid_json", "truncated", "missing_field", "http_500")) as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server, tag={"max_attempts": 1})))
-        run_stages(config, log=lambda m: None)
+        run_stages(config, TAGGING, log=lambda m: None)
     run = RunDir(config.run_dir)
     n_chunks, n_tagged, n_quarantined = accounted(run)
     assert n_quarantined > 0.2 * n_chunks
@@ -116,7 +118,7 @@ def test_api_key_never_reaches_the_run_directory(tmp_path, docs, monkeypatch):
     monkeypatch.setenv("ATLAS_TEST_KEY", "sk-very-secret-123")
     with FaultServer(mode="ok") as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server, api_key_env="ATLAS_TEST_KEY")))
-        run_stages(config, log=lambda m: None)
+        run_stages(config, TAGGING, log=lambda m: None)
         assert server.headers[0]["authorization"] == "Bearer sk-very-secret-123"
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
@@ -129,7 +131,7 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
     with FaultServer(mode="slow", slow_s=0.15) as server:
         sections = openai_sections(server, tag={"batch_size": 2}, max_concurrency=1)
         config_path = write_config(tmp_path, docs, **sections, execution={"progress": False})
-        command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--inline"]
+        command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--inline", "--stages", "chunk,tag"]
         process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline and len(server.requests) < 12:
@@ -154,7 +156,7 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
     reference.mkdir()
     with FaultServer(mode="ok") as server:
         run_stages(load_config(write_config(reference, docs, **openai_sections(server, tag={"batch_size": 2}))),
-                   log=lambda m: None)
+                   TAGGING, log=lambda m: None)
     assert outputs(reference / "run") == outputs(tmp_path / "run")
 
 
@@ -163,7 +165,7 @@ def test_llm_relevance_judge_uses_the_papers_prompt(tmp_path, docs):
 
     with FaultServer(mode="ok") as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server)))
-        run_stages(config, log=lambda m: None)
+        run_stages(config, TAGGING, log=lambda m: None)
         asked = len(server.requests)
         summary = judge_tags(config, sample=5)
         judge_requests = server.requests[asked:]

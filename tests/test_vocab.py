@@ -23,7 +23,7 @@ def test_vocabulary_counts_chunks_and_cached_embeddings(tmp_path, demo_records):
     docs = write_jsonl(tmp_path / "docs.jsonl", [r for r in demo_records if r["data_src"] == "python-docs"][:6])
     with FaultServer(mode="ok") as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server), vocab={"min_count": 2}))
-        run_stages(config, log=lambda m: None)
+        run_stages(config, ["chunk", "tag", "vocab"], log=lambda m: None)
     run = RunDir(config.run_dir)
     tags = pq.read_table(run.output_dir("tags")).to_pylist()
     counts = Counter(t["tag_norm"] for t in tags)
