@@ -50,6 +50,17 @@ def atomic_write_parquet(path: str | Path, table: pa.Table) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_npy(path: str | Path, array) -> None:
+    """Write a numpy array as .npy atomically."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -17,13 +17,12 @@ reproducible without an LLM.
 
 from __future__ import annotations
 
-import io
 import time
 
 import numpy as np
 import pyarrow as pa
 
-from atlas.core.files import atomic_write_bytes, atomic_write_json, atomic_write_parquet
+from atlas.core.files import atomic_write_json, atomic_write_npy, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -42,12 +41,6 @@ def choose_k(sweep: list[dict]) -> int:
         davies_bouldin = row["davies_bouldin"] if np.isfinite(row["davies_bouldin"]) else np.inf
         return (-round(silhouette, 4), round(davies_bouldin, 4), row["k"])
     return min(sweep, key=key)["k"]
-
-
-def save_npy(path, array: np.ndarray) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    atomic_write_bytes(path, buffer.getvalue())
 
 
 class ClusterStage(Stage):
@@ -89,7 +82,7 @@ class ClusterStage(Stage):
                           "similarity": similarity.astype(np.float32), "count": vocab.column("count")},
                          schema=CLUSTER_SCHEMA)
         atomic_write_parquet(run.part_path(self.output, 0), table)
-        save_npy(run.output_dir(self.output) / "_centroids.npy", centroids.astype(np.float32))
+        atomic_write_npy(run.output_dir(self.output) / "_centroids.npy", centroids.astype(np.float32))
         atomic_write_json(run.output_dir(self.output) / "_sweep.json", {"chosen_k": chosen, "sweep": sweep})
         self._plot(run, sweep, chosen)
         return stats

@@ -15,7 +15,6 @@ an uninterrupted one.
 
 from __future__ import annotations
 
-import io
 import sqlite3
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_bytes, atomic_write_parquet, stable_hash
+from atlas.core.files import atomic_write_npy, atomic_write_parquet, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -96,9 +95,7 @@ class VocabStage(Stage):
 
         vectors = self._embed([r["tag_norm"] for r in kept], run, stats)
         atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(kept, schema=VOCAB_SCHEMA))
-        buffer = io.BytesIO()
-        np.save(buffer, vectors)
-        atomic_write_bytes(run.output_dir(self.output) / "_embeddings.npy", buffer.getvalue())
+        atomic_write_npy(run.output_dir(self.output) / "_embeddings.npy", vectors)
         return stats
 
     def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
