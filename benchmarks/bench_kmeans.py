@@ -17,13 +17,13 @@ each side, the speed-up baseline / atlas, the quality of each and the passes the
 
 Before running, the script times the two kernels the sides spend their time in (a dense points x centroids
 product, and scikit-learn's k-means++ seeding of the baseline) and prints an estimate of every run. It is an
-upper bound, often 2 to 4 times the real time: it assumes all 20 iterations (FAISS stops once converged) and
-NumPy's product speed (FAISS' is higher). At the defaults (1M points, k up to 10,000) expect about half an hour
-on one core, mostly k = 10,000, where atlas' iterations run on all 1M points (10,000 * 256 > 1M).
+upper bound, 1 to 4 times the real time in our runs: it assumes all 20 iterations (FAISS stops once converged)
+and NumPy's product speed (FAISS' is often higher). At the defaults (1M points, k up to 10,000) expect most of an
+hour on one core, mostly k = 10,000: there atlas trains on all 1M points (10,000 * 256 > 1M), ~90 s an iteration.
 
 Both sides get the same threads: the environment's (``OMP_NUM_THREADS``), or ``--threads`` for the OpenMP and BLAS
-pools of FAISS, NumPy and scikit-learn alike. On a VM whose vCPUs are not backed by as many real cores, spinning
-thread pools can make 2 threads much slower than 1 (scikit-learn's k-means++ seeding most of all): compare both.
+pools of FAISS, NumPy and scikit-learn alike. When other processes hold some of the cores, spinning thread pools
+can make 2 threads several times slower than 1 (scikit-learn's k-means++ seeding most of all): compare both.
 """
 
 from __future__ import annotations
