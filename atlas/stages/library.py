@@ -31,7 +31,6 @@ from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.embed import Embedder
-from atlas.communities import merge_pass
 from atlas.llm.engine import make_engine
 from atlas.stages.label import label_prompt, llm_labels, make_unique
 from atlas.stages.vocab import EmbeddingCache
@@ -168,6 +167,8 @@ class LibraryStage(Stage):
         return passes
 
     def _merge_once(self, concepts: list[dict], tau: float, run: RunDir) -> list[dict]:
+        from atlas.communities import merge_pass  # faiss and networkx load only when a library is built
+
         c = self.config.library
         vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
