@@ -115,7 +115,8 @@ def cmd_status(args) -> int:
     if not manifest:
         raise SystemExit(f"{run.root}: not an Atlas run directory (no manifest.json)")
     print(f"run {manifest.get('name')} in {run.root}")
-    for name, info in manifest.get("stages", {}).items():
+    recorded = manifest.get("stages", {})
+    for name, info in sorted(recorded.items(), key=lambda kv: list(STAGES).index(kv[0]) if kv[0] in STAGES else 99):
         output = STAGES[name].output if name in STAGES else name
         n = info.get("num_shards", 0)
         markers = [run.shard_marker(output, i) for i in range(n)]
