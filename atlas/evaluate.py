@@ -40,18 +40,17 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     from sklearn.metrics import normalized_mutual_info_score
 
     from atlas.judge import judge_pairs
+    from atlas.stages.chunk import read_chunks
 
     run = RunDir(config.run_dir)
     concepts = {r["concept_id"]: r for r in pq.read_table(run.output_dir("library") / "concepts.parquet").to_pylist()}
     assigned = chunk_concepts(run)
     labels, texts = {}, {}
-    for part in sorted(run.output_dir("chunks").glob("part-*.parquet")):
-        for row in pq.read_table(part, columns=["chunk_id", "chunk_text", "metadata"]).to_pylist():
-            value = json.loads(row["metadata"] or "{}").get(label_field)
-            if row["chunk_id"] in assigned:
-                texts[row["chunk_id"]] = row["chunk_text"]
-                if value is not None:
-                    labels[row["chunk_id"]] = str(value)
+    for chunk_id, row in read_chunks(run, assigned, ("chunk_text", "metadata")).items():
+        texts[chunk_id] = row["chunk_text"]
+        value = json.loads(row["metadata"] or "{}").get(label_field)
+        if value is not None:
+            labels[chunk_id] = str(value)
     labeled = sorted(c for c in assigned if c in labels)
     summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned),
                      "chunks_with_label": len(labeled), "label_field": label_field}

@@ -68,13 +68,10 @@ def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size
         if row["tag_norm"] not in by_chunk[row["chunk_id"]]:
             by_chunk[row["chunk_id"]].append(row["tag_norm"])
     chosen = sorted(random.Random(seed).sample(sorted(by_chunk), min(sample, len(by_chunk))))
-    texts = {}
-    wanted = set(chosen)
-    for part in sorted(run.output_dir("chunks").glob("part-*.parquet")):
-        for row in pq.read_table(part, columns=["chunk_id", "chunk_text"]).to_pylist():
-            if row["chunk_id"] in wanted:
-                texts[row["chunk_id"]] = row["chunk_text"]
-    samples = [(c, texts[c], by_chunk[c][:MAX_CONCEPTS_PER_REQUEST]) for c in chosen]
+    from atlas.stages.chunk import read_chunks
+
+    chunks = read_chunks(run, set(chosen))
+    samples = [(c, chunks[c]["chunk_text"], by_chunk[c][:MAX_CONCEPTS_PER_REQUEST]) for c in chosen]
 
     return judge_pairs(config, samples, batch_size, what="tag", report=run.root / "report")
 

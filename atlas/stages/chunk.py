@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from atlas.config import ChunkDomain
 from atlas.core.files import atomic_write_json, atomic_write_parquet, file_fingerprint, read_json
@@ -330,3 +331,13 @@ class ChunkStage(Stage):
             rows["char_end"].append(span.end)
             rows["doc_end_flag"].append(index == len(spans) - 1)
             rows["metadata"].append(metadata_json)
+
+
+def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:
+    """The given columns of the chunks whose id is in ``wanted``, by chunk id (read part by part)."""
+    found = {}
+    for part in sorted(run.output_dir(ChunkStage.output).glob("part-*.parquet")):
+        for row in pq.read_table(part, columns=["chunk_id", *columns]).to_pylist():
+            if row["chunk_id"] in wanted:
+                found[row["chunk_id"]] = row
+    return found

@@ -32,6 +32,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.embed import Embedder
 from atlas.llm.engine import make_engine
+from atlas.stages.chunk import read_chunks
 from atlas.stages.label import label_prompt, llm_labels, make_unique
 from atlas.stages.vocab import EmbeddingCache
 
@@ -110,7 +111,8 @@ class LibraryStage(Stage):
 
         chunk_ids = sorted({c for chunks in vocab["chunk_ids"] for c in chunks})
         index = {c: i for i, c in enumerate(chunk_ids)}
-        texts = self._chunk_texts(run, index)
+        chunks = read_chunks(run, index)
+        texts = [chunks[c]["chunk_text"] for c in chunk_ids]
         lifted = lifted_words(texts, [np.array([index[c] for c in cc["chunks"]], dtype=int) for cc in concepts],
                               self.config.library.lift_min_support)
         rows = [{"concept_id": i, "domain": "content", "name": c["name"], "description": c["description"],
@@ -196,15 +198,6 @@ class LibraryStage(Stage):
         return {"name": group[0]["name"], "description": group[0]["description"],
                 "count": sum(x["count"] for x in group), "n_tags": sum(x["n_tags"] for x in group),
                 "evidence": evidence, "merged_from": sorted(m for x in group for m in x["merged_from"])}
-
-    @staticmethod
-    def _chunk_texts(run: RunDir, index: dict[str, int]) -> list[str]:
-        texts = [""] * len(index)
-        for part in sorted(run.output_dir("chunks").glob("part-*.parquet")):
-            for row in pq.read_table(part, columns=["chunk_id", "chunk_text"]).to_pylist():
-                if row["chunk_id"] in index:
-                    texts[index[row["chunk_id"]]] = row["chunk_text"]
-        return texts
 
     def _plot(self, run: RunDir, rows: list[dict]) -> None:
         from atlas.report import histogram, scatter
