@@ -7,6 +7,8 @@
     atlas inspect RUN chunks|tags [-n 5]      a few rows, readable
     atlas judge RUN [--sample 200]            relevance of tags to chunks, 1-5 (offline: a proxy)
     atlas eval library RUN [--label-field L]  purity/NMI of concepts against known labels, concept relevance
+    atlas eval annotator RUN [--label-field L]  linear probes: predicted concepts vs raw embeddings
+    atlas annotate-text RUN "text" [...]      the concepts the trained annotator gives a text, with scores
     atlas demo-corpus OUT                     build the offline demo corpus
 """
 
@@ -26,6 +28,7 @@ EXAMPLES = """examples:
   atlas run my.yaml --set chunk.domains.web.max_tokens=200
   atlas status runs/demo
   atlas inspect runs/demo chunks -n 3
+  atlas annotate-text runs/demo "Binary search halves the interval at every step."
 """
 
 
@@ -126,7 +129,7 @@ def cmd_status(args) -> int:
         for m in done:
             for k, v in m["counters"].items():
                 counters[k] = counters.get(k, 0) + v
-        print(f"  {name:<10} {state:<8} shards {len(done)}/{n} done, {n - len(done)} pending   hash {info['hash'][:12]}")
+        print(f"  {name:<16} {state:<8} shards {len(done)}/{n} done, {n - len(done)} pending   hash {info['hash'][:12]}")
         for k, v in counters.items():
             print(f"      {k:<32} {v:>12,}")
         if info.get("failed_shards"):
@@ -158,6 +161,9 @@ def cmd_inspect(args) -> int:
             print(f"    evidence: {', '.join(row['evidence_tags'][:8])}")
             print(f"    lifted words: {', '.join(row['lifted_words'])}")
         return 0
+    if args.what in ("annotator", "targets"):  # held-out predictions / training targets, with concept names
+        _inspect_concepts(run, args)
+        return 0
     if args.what == "tags":  # chunks with their tags, field by field
         tags = ds.dataset(folder, format="parquet").to_table().to_pylist()
         chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
@@ -185,6 +191,65 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _inspect_concepts(run, args) -> None:
+    import pyarrow.parquet as pq
+
+    from atlas.stages.chunk import read_chunks
+
+    names = {r["concept_id"]: (r["domain"], r["name"]) for r in
+             pq.read_table(run.output_dir("library") / "concepts.parquet", columns=["concept_id", "domain", "name"]).to_pylist()}
+    if args.what == "annotator":
+        rows = pq.read_table(run.output_dir("annotator") / "heldout_predictions.parquet").slice(0, args.n).to_pylist()
+    else:
+        rows = pq.read_table(run.part_path("targets", 0), columns=["chunk_id", "domain", "split", "picked", "concepts"]).slice(0, args.n).to_pylist()
+    texts = read_chunks(run, {r["chunk_id"] for r in rows})
+    for row in rows:
+        print("-" * 100)
+        extra = f"  split={row['split']}  picked={row['picked']}" if "split" in row else "  (held-out)"
+        print(f"chunk_id={row['chunk_id']}  domain={row['domain']}{extra}")
+        _print_text(texts[row["chunk_id"]]["chunk_text"], args.chars)
+        if args.what == "annotator":
+            known = set(row["targets"])
+            for g, score in zip(row["concepts"], row["concept_scores"]):
+                mark = "*" if g in known else " "
+                print(f"    {mark} {score:.2f}  {names[g][0]:<11} {names[g][1]}")
+            print("    (* = also an inherited target)")
+        else:
+            by_domain: dict[str, list[str]] = {}
+            for g in row["concepts"]:
+                by_domain.setdefault(names[g][0], []).append(names[g][1])
+            for domain, values in by_domain.items():
+                print(f"    {domain}: {'; '.join(values)}")
+
+
+def cmd_annotate_text(args) -> int:
+    from atlas.annotator import Annotator
+    from atlas.core.rundir import RunDir
+    from atlas.stages.library import load_library
+
+    folder = Path(args.annotator)
+    run_dir = folder if (folder / "manifest.json").exists() else None
+    if run_dir is not None:
+        folder = RunDir(run_dir).output_dir("annotator")
+    concepts, _ = load_library(RunDir(run_dir or folder.parent))
+    annotator = Annotator(folder).setup()
+    annotator.check_library(concepts)
+    texts = args.text or [sys.stdin.read()]
+    embeddings = annotator.embedder.encode(texts)
+    probs = annotator.probabilities(embeddings)
+    for text, decided, i in zip(texts, annotator.decide(probs), range(len(texts))):
+        print("-" * 100)
+        _print_text(text, 300)
+        for domain, labels in decided.items():
+            if args.top:  # the best-scored labels, whatever the decision rule says
+                offset = annotator.spec.domains[domain]["offset"]
+                order = probs[domain][i].argsort()[::-1][: args.top]
+                labels = [(offset + int(j), float(probs[domain][i][j])) for j in order]
+            shown = ", ".join(f"{concepts[g]['name']} ({p:.2f})" for g, p in labels) or "-"
+            print(f"    {domain:<11} {shown}")
+    return 0
+
+
 def cmd_judge(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
@@ -209,14 +274,21 @@ def cmd_judge(args) -> int:
 def cmd_eval(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
-    from atlas.evaluate import evaluate_library
+    from atlas.evaluate import evaluate_annotator, evaluate_library
 
-    manifest = RunDir(args.run_dir).read_manifest()
-    if not (RunDir(args.run_dir).output_dir("library") / "concepts.parquet").exists():
-        raise SystemExit(f"{args.run_dir}: no concept library yet; run the pipeline through the library stage first")
-    summary = evaluate_library(config_from_dict(manifest["config"]), args.label_field, args.sample, args.seed)
+    run = RunDir(args.run_dir)
+    manifest = run.read_manifest()
+    needed = {"library": run.output_dir("library") / "concepts.parquet",
+              "annotator": run.output_dir("annotator") / "heldout_predictions.parquet"}[args.what]
+    if not needed.exists():
+        raise SystemExit(f"{args.run_dir}: no {args.what} yet ({needed} is missing); run the pipeline that far first")
+    config = config_from_dict(manifest["config"])
+    if args.what == "library":
+        summary = evaluate_library(config, args.label_field, args.sample, args.seed)
+    else:
+        summary = evaluate_annotator(config, args.label_field)
     print(json.dumps(summary, indent=2))
-    print(f"written to {Path(args.run_dir) / 'report' / 'library_eval.json'}")
+    print(f"written to {run.root / 'report' / (args.what + ('_eval' if args.what == 'library' else '_probe') + '.json')}")
     return 0
 
 
@@ -270,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a few rows of a stage's output")
     p.add_argument("run_dir")
-    p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels, library")
+    p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels, library, "
+                                "targets, annotator (held-out predictions)")
     p.add_argument("-n", type=int, default=5, help="rows to show")
     p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
     p.set_defaults(fn=cmd_inspect)
@@ -284,12 +357,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_judge)
 
     p = sub.add_parser("eval", help="evaluate an artifact against ground truth: `atlas eval library RUN`")
-    p.add_argument("what", choices=["library"])
+    p.add_argument("what", choices=["library", "annotator"])
     p.add_argument("run_dir")
     p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")
     p.add_argument("--sample", type=int, default=200, help="chunks for the relevance judge (or proxy)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("annotate-text", help="label texts with the trained annotator: concepts and scores",
+                       epilog='example: atlas annotate-text runs/demo "The integral of x squared is x cubed over three."',
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("annotator", help="a run directory, or an annotator folder (RUN/annotator)")
+    p.add_argument("text", nargs="*", help="texts to label (none: read one text from standard input)")
+    p.add_argument("--top", type=int, default=0, help="show the N best-scored labels per domain instead of the decided ones")
+    p.set_defaults(fn=cmd_annotate_text)
 
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")

@@ -138,6 +138,52 @@ class LibraryConfig(Section):
     dedup_m: int = Field(default=20, ge=1)
     dedup_min_merged: float = Field(default=0.005, ge=0)  # repeat a tau while a pass merges more than this share
     lift_min_support: int = Field(default=5, ge=1)  # a word must occur in this many of a concept's chunks to be "lifted"
+    # Auxiliary domains (paper 4.2.3), each a finite list in schemas/aux/<domain>.json. Their labels join
+    # the library after the content concepts: one global id space, with per-domain offsets in config.json.
+    aux_domains: list[str] = Field(default_factory=lambda: ["tone", "demographic", "alignment"])
+
+
+class AnnotatorConfig(Section):
+    """Stage 3 (paper 4.2.3): the targets, the reservoir and the concept annotator."""
+
+    seed: int = 0
+    # Reservoir (long-tail enriched): up to min_per_concept chunks of every concept first, then a
+    # uniform fill up to reservoir_size (None: every tagged chunk). Split by document, not chunk.
+    reservoir_size: int | None = None
+    min_per_concept: int = Field(default=20, ge=1)
+    heldout_fraction: float = Field(default=0.2, gt=0, lt=1)  # paper: 597k of 2.9M chunks held out
+    # Auxiliary labels, offline engine: a label applies when its similarity to the chunk is aux_min_z
+    # standard deviations above its mean over the reservoir and at least aux_min_similarity.
+    aux_min_z: float = 2.0
+    aux_min_similarity: float = 0.2
+    # Model: encoder -> pooled embedding; content head = scale * <embedding, K_c> + b_c with K initialized
+    # from the concepts' "name: description" embeddings; MLP trunk + linear heads for the auxiliary domains.
+    encoder: str = "all-MiniLM-L6-v2"  # paper: Qwen3-Embedding-0.6B (a local folder or the HF cache)
+    mode: Literal["frozen", "finetune"] = "frozen"  # frozen: heads on cached embeddings (CPU); finetune: GPU
+    device: str | None = None  # None: cuda if available, else cpu
+    hidden: int = Field(default=512, ge=8)
+    dropout: float = Field(default=0.1, ge=0, lt=1)
+    epochs: int = Field(default=30, ge=1)
+    batch_size: int = Field(default=256, ge=1)
+    lr: float = Field(default=3e-3, gt=0)
+    encoder_lr: float = Field(default=2e-5, gt=0)  # finetune mode only
+    weight_decay: float = Field(default=0.01, ge=0)
+    embed_batch_size: int = Field(default=128, ge=1)  # chunks per encode call; also the embedding cache's unit
+    # Loss: masked BCE on positives + pu_weight * non-negative PU risk (Kiryo et al. 2017). The class
+    # prior of concept c among unlabeled chunks follows from its labeled rate p_c and the assumed
+    # label_frequency (the share of a concept's true chunks that tagging found): pi = p(1/f - 1) / (1 - p).
+    pu_weight: float = Field(default=1.0, ge=0)
+    label_frequency: float = Field(default=0.5, gt=0, le=1)
+    pu_beta: float = Field(default=0.0, ge=0)  # nnPU: when the negative risk is below -beta ...
+    pu_gamma: float = Field(default=1.0, ge=0)  # ... step on -gamma * (negative risk) instead
+    rarity_power: float = Field(default=0.5, ge=0)  # sampling weight of a chunk: mean over its concepts of count^-power
+    # Decision rule: per-domain threshold and cap on the number of labels, chosen on the held-out split
+    # (criterion: recall^2 / P(predicted), Lee & Liu 2003, which needs no negatives); fixed values override.
+    max_caps: dict[str, int] = Field(default_factory=lambda: {"content": 20, "tone": 3, "demographic": 3,
+                                                              "alignment": 2})
+    thresholds: dict[str, float] = Field(default_factory=dict)
+    caps: dict[str, int] = Field(default_factory=dict)
+    judge_sample: int = Field(default=100, ge=0)  # held-out chunks whose predictions the relevance judge scores
 
 
 class ExecutionConfig(Section):
@@ -158,6 +204,7 @@ class AtlasConfig(Section):
     tag: TagConfig = Field(default_factory=TagConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)
     library: LibraryConfig = Field(default_factory=LibraryConfig)
+    annotator: AnnotatorConfig = Field(default_factory=AnnotatorConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("name")

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sqlite3
 import zipfile
 from pathlib import Path
 
@@ -92,3 +93,61 @@ class Embedder:
         vectors = self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
                                     normalize_embeddings=True, show_progress_bar=False)
         return vectors.astype(np.float32, copy=False)
+
+
+class EmbeddingCache:
+    """FP16 vectors by (model, text) in SQLite; one file per model under ``folder``."""
+
+    def __init__(self, folder: Path, model: str):
+        from atlas.core.files import stable_hash
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(folder / f"{stable_hash(model)[:16]}.sqlite")
+        self.db.execute("CREATE TABLE IF NOT EXISTS vectors (text TEXT PRIMARY KEY, vector BLOB)")
+
+    def get(self, texts: list[str]) -> np.ndarray | None:
+        """All vectors of ``texts``, or None if any is missing."""
+        rows = []
+        for text in texts:
+            row = self.db.execute("SELECT vector FROM vectors WHERE text = ?", (text,)).fetchone()
+            if row is None:
+                return None
+            rows.append(np.frombuffer(row[0], dtype=np.float16))
+        return np.stack(rows)
+
+    def put(self, texts: list[str], vectors: np.ndarray) -> None:
+        with self.db:
+            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
+                                [(t, v.astype(np.float16).tobytes()) for t, v in zip(texts, vectors)])
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size: int | None = None,
+                  progress=None) -> tuple[np.ndarray, int]:
+    """FP16 embeddings of ``texts`` through a cache in ``folder``; returns (vectors, how many were computed).
+
+    Texts are embedded in fixed batches of their given order and a batch is computed whole or taken
+    whole from the cache, so a resumed run gives the same bytes as an uninterrupted one.
+    ``batch_size`` None: one batch. ``progress`` (optional) is called with each batch's size.
+    """
+    cache = EmbeddingCache(folder, embedder.model_name)
+    size = batch_size or max(len(texts), 1)
+    parts, computed = [], 0
+    try:
+        for start in range(0, len(texts), size):
+            batch = texts[start : start + size]
+            vectors = cache.get(batch)
+            if vectors is None:
+                vectors = embedder.encode(batch).astype(np.float16)
+                cache.put(batch, vectors)
+                computed += len(batch)
+            parts.append(vectors)
+            if progress is not None:
+                progress(len(batch))
+    finally:
+        cache.close()
+    if not parts:
+        return np.zeros((0, embedder.dim), dtype=np.float16), 0
+    return np.concatenate(parts), computed

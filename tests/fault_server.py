@@ -278,6 +278,9 @@ def example_value(schema: dict, words: _Words):
         n = min(max(2 + len(words.words) % 3, low), high)  # 2-4 items, within the bounds
         if items.get("type", "string") == "string" and not ({"enum", "const"} & items.keys()):
             return words.take(n)
+        if items.get("enum"):  # distinct choices from the list, as uniqueItems wants
+            start = len(words.words) % len(items["enum"])
+            return (items["enum"][start:] + items["enum"][:start])[: min(n, len(items["enum"]))]
         return [example_value(items, words) for _ in range(n)]
     if kind in ("integer", "number"):
         low = schema.get("minimum", schema["exclusiveMinimum"] + 1 if "exclusiveMinimum" in schema else None)

@@ -18,6 +18,7 @@ from atlas.stages.coherence import cohesion_score, strata
 from atlas.stages.label import make_unique
 
 pytestmark = pytest.mark.slow  # loads the embedding model
+STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library"]
 
 
 def library_files(run_dir):
@@ -36,7 +37,7 @@ def labeled_docs(tmp_path_factory, demo_records):
 def offline_library(folder, docs):
     config = load_config(write_config(folder, docs, input={"metadata_fields": ["label"]},
                                       library={"ks": [8, 16, 32]}, tag={"batch_size": 64}))
-    run_stages(config, log=lambda m: None)
+    run_stages(config, STAGES_TO_LIBRARY, log=lambda m: None)
     return config
 
 
@@ -53,6 +54,9 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     sweep = json.loads((run.output_dir("clusters") / "_sweep.json").read_text())
     assert [row["k"] for row in sweep["sweep"]] == [8, 16, 32] and sweep["chosen_k"] in (8, 16, 32)
     assert concepts and [c["concept_id"] for c in concepts] == list(range(len(concepts)))
+    aux = [c for c in concepts if c["domain"] != "content"]  # the auxiliary labels follow the content concepts
+    assert [c["domain"] for c in aux] == ["tone"] * 80 + ["demographic"] * 38 + ["alignment"] * 8
+    concepts = concepts[: len(concepts) - len(aux)]
     assert len({c["name"] for c in concepts}) == len(concepts)
     assert all(c["chunk_count"] > 0 and 0 < c["prevalence"] <= 1 and c["domain"] == "content" for c in concepts)
     assert all(1 <= len(c["name"].split()) <= 8 and c["description"].endswith(".") for c in concepts)
@@ -75,11 +79,16 @@ def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
     with FaultServer(mode="ok") as server:
         sections = openai_sections(server)
         library = {"k": 10, "core_min": 1, "random_min": 1, "edge_min": 1}  # whatever the fake judge says
-        config = load_config(write_config(tmp_path, labeled_docs, **sections, library=library))
+        annotator = {"epochs": 2, "judge_sample": 3}
+        config = load_config(write_config(tmp_path, labeled_docs, **sections, library=library, annotator=annotator))
         run_stages(config, log=lambda m: None)
         prompts = [r["messages"][0]["content"] for r in server.requests]
     assert any("coherent concept" in p for p in prompts) and any("You name concepts" in p for p in prompts)
+    assert any("You label short text chunks" in p for p in prompts)  # auxiliary labels from the LLM
     run = RunDir(config.run_dir)
+    targets = pq.read_table(run.part_path("targets", 0)).to_pylist()
+    assert targets and all(t["aux_status"] == "ok" and t["tone_global_ids"] for t in targets)
+    assert (run.output_dir("annotator") / "model.safetensors").exists()
     concepts = pq.read_table(run.output_dir("library") / "concepts.parquet").to_pylist()
     assert len({c["name"] for c in concepts}) == len(concepts)
 

@@ -52,3 +52,14 @@ class RequestCache:
 
     def close(self) -> None:
         self.db.close()
+
+
+def ask_cached(engine, cache: RequestCache, requests: list[LLMRequest]) -> tuple[list[LLMResult], int]:
+    """Answers in request order: from the cache where present, else from the engine (then cached).
+    Returns (results, how many came from the cache)."""
+    cached = cache.get_many(requests)
+    missing = [r for r in requests if r.key not in cached]
+    fresh = engine.generate(missing) if missing else []
+    cache.put_many(missing, fresh)
+    by_key = cached | {r.key: r for r in fresh}
+    return [by_key[r.key] for r in requests], len(cached)

@@ -6,9 +6,12 @@ from atlas.stages.cluster import ClusterStage
 from atlas.stages.coherence import CoherenceStage
 from atlas.stages.label import LabelStage
 from atlas.stages.library import LibraryStage
+from atlas.stages.targets import TargetsStage
+from atlas.stages.train_annotator import TrainAnnotatorStage
 from atlas.stages.vocab import VocabStage
 
 STAGES = {
     stage.name: stage
-    for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage)
+    for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage, TargetsStage,
+                  TrainAnnotatorStage)
 }

@@ -7,6 +7,11 @@ most 3 times) until a pass merges no more than ``library.dedup_min_merged`` of t
 and description of its most used member (offline) or gets new ones from the LLM labeler, and
 records every cluster it came from (``merged_from``).
 
+The labels of the auxiliary domains (``library.aux_domains``: tone, demographic, alignment; finite
+lists in ``schemas/aux/``) follow the content concepts in the same id space: ``config.json`` holds
+``domain_offsets`` and ``domain_sizes``, and a label's global id is its domain's offset plus its
+position in the list. Their ``chunk_count`` is null until the corpus is annotated.
+
     library/concepts.parquet        concept_id (dense, by chunk_count), domain, name, description,
                                     evidence_tags, n_tags, chunk_count, prevalence, taxonomy_path,
                                     merged_from, lifted_words
@@ -26,15 +31,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_json, atomic_write_parquet
+from atlas.auxiliary import load_aux_domains
+from atlas.core.files import atomic_write_json, atomic_write_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder
+from atlas.embed import Embedder, encode_cached
 from atlas.llm.engine import make_engine
 from atlas.stages.chunk import read_chunks
 from atlas.stages.label import label_prompt, llm_labels, make_unique
-from atlas.stages.vocab import EmbeddingCache
 
 LIBRARY_VERSION = 1
 LIFTED_KEPT = 10
@@ -82,10 +87,14 @@ class LibraryStage(Stage):
         c = self.config.library
         identity = {"version": LIBRARY_VERSION, "seed": c.seed, "taus": c.dedup_taus, "m": c.dedup_m,
                     "min_merged": c.dedup_min_merged, "lift_min_support": c.lift_min_support,
-                    "embedding_model": self.config.vocab.embedding_model}
+                    "embedding_model": self.config.vocab.embedding_model,
+                    "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in self._aux_domains()}}
         if self.config.llm.engine == "offline":
             return identity
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
+
+    def _aux_domains(self):
+        return load_aux_domains(self.config.library.aux_domains, self.config.tag.schema_dir)
 
     def setup(self) -> None:
         self.embedder = Embedder(self.config.vocab.embedding_model)
@@ -121,6 +130,13 @@ class LibraryStage(Stage):
                  "merged_from": sorted(c["merged_from"]), "lifted_words": words}
                 for i, (c, words) in enumerate(zip(concepts, lifted))]
         concept_of_cluster = {cluster: row["concept_id"] for row in rows for cluster in row["merged_from"]}
+        offsets, n_content = {"content": 0}, len(rows)
+        for domain in self._aux_domains():  # after the content concepts: tone, demographic, alignment
+            offsets[domain.name] = len(rows)
+            rows += [{"concept_id": len(rows) + i, "domain": domain.name, "name": label["name"],
+                      "description": label["description"], "evidence_tags": [], "n_tags": 0, "chunk_count": None,
+                      "prevalence": None, "taxonomy_path": None, "merged_from": [], "lifted_words": []}
+                     for i, label in enumerate(domain.labels)]
         mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
                    "concept_id": [concept_of_cluster.get(cluster) for cluster in clusters["cluster_id"]]}
 
@@ -130,27 +146,22 @@ class LibraryStage(Stage):
         sweep = json.loads((run.output_dir("clusters") / "_sweep.json").read_text())
         manifest = run.read_manifest()
         atomic_write_json(folder / "config.json", {
-            "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": {"content": 0},
+            "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": offsets,
+            "domain_sizes": {d: sum(r["domain"] == d for r in rows) for d in offsets},
             "k": sweep["chosen_k"], "library": self.config.library.model_dump(),
             "embedding_model": self.config.vocab.embedding_model, "llm_engine": self.config.llm.engine,
             "dedup_passes": passes,
             "stage_hashes": {name: info["hash"] for name, info in manifest.get("stages", {}).items()},
         })
-        stats.inc("concepts_out", len(rows))
+        stats.inc("concepts_out", n_content)
+        stats.inc("aux_labels", len(rows) - n_content)
         stats.inc("tags_mapped", sum(c is not None for c in mapping["concept_id"]))
         stats.inc("tags_unmapped", sum(c is None for c in mapping["concept_id"]))
-        self._plot(run, rows)
+        self._plot(run, rows[:n_content])
         return stats
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
-        cache = EmbeddingCache(run.root / "_cache" / "embeddings", self.config.vocab.embedding_model)
-        try:
-            vectors = cache.get(texts)
-            if vectors is None:
-                vectors = self.embedder.encode(texts).astype(np.float16)
-                cache.put(texts, vectors)
-        finally:
-            cache.close()
+        vectors, _ = encode_cached(self.embedder, texts, run.root / "_cache" / "embeddings")
         return vectors.astype(np.float32)
 
     def _dedup(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
@@ -215,3 +226,26 @@ class LibraryStage(Stage):
             named = {i: rows[i]["name"] for i in range(min(25, len(rows)))}
             scatter(points, 4 + 60 * sizes / sizes.max(), named, run.root / "report" / "concept_map.png",
                     "concept map (PCA of name + description embeddings; 25 largest named)")
+
+
+def load_library(run: RunDir) -> tuple[list[dict], dict]:
+    """The concepts (rows of concepts.parquet, by concept id) and config.json, checked against each other."""
+    folder = run.output_dir(LibraryStage.output)
+    path, config_path = folder / "concepts.parquet", folder / "config.json"
+    for p in (path, config_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no concept library here; run the library stage first")
+    rows = pq.read_table(path).to_pylist()
+    config = json.loads(config_path.read_text())
+    offsets = config.get("domain_offsets", {})
+    config["domain_offsets"] = dict(sorted(offsets.items(), key=lambda kv: kv[1]))  # id order: content first
+    if [r["concept_id"] for r in rows] != list(range(len(rows))):
+        raise ValueError(f"{path}: concept_id must be 0..{len(rows) - 1} in order; rebuild the library with --force")
+    if config.get("n_concepts") != len(rows):
+        raise ValueError(f"{config_path}: n_concepts is {config.get('n_concepts')} but {path} has {len(rows)} rows")
+    for domain, offset in config.get("domain_offsets", {}).items():
+        size = config.get("domain_sizes", {}).get(domain, 0)
+        if any(r["domain"] != domain for r in rows[offset : offset + size]):
+            raise ValueError(f"{config_path}: domain {domain!r} (offset {offset}, size {size}) does not match the "
+                             f"'domain' column of {path}")
+    return rows, config

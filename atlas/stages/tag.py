@@ -23,7 +23,7 @@ from atlas.core.files import atomic_write_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.llm.cache import RequestCache
+from atlas.llm.cache import RequestCache, ask_cached
 from atlas.llm.engine import LLMRequest, LLMResult, make_engine
 from atlas.llm.prompts import load_prompt
 from atlas.tagging import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
@@ -109,13 +109,9 @@ class TagStage(Stage):
 
     def _ask(self, requests: list[LLMRequest], cache: RequestCache, stats: Stats) -> list[LLMResult]:
         """Answers from the cache where present, from the engine otherwise (and then cached)."""
-        cached = cache.get_many(requests)
-        missing = [r for r in requests if r.key not in cached]
-        fresh = self.engine.generate(missing) if missing else []
-        cache.put_many(missing, fresh)
-        stats.inc("cache_hits", len(cached))
-        by_key = cached | {r.key: r for r in fresh}
-        return [by_key[r.key] for r in requests]
+        results, hits = ask_cached(self.engine, cache, requests)
+        stats.inc("cache_hits", hits)
+        return results
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         chunks = pq.read_table(run.part_path("chunks", shard), columns=["chunk_id", "domain", "chunk_text"]).to_pylist()

@@ -15,18 +15,15 @@ an uninterrupted one.
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_npy, atomic_write_parquet, stable_hash
+from atlas.core.files import atomic_write_npy, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder
+from atlas.embed import Embedder, encode_cached
 
 VOCAB_VERSION = 1
 MAX_VARIANTS = 5
@@ -34,33 +31,6 @@ VOCAB_SCHEMA = pa.schema(
     [("tag_norm", pa.string()), ("count", pa.int64()), ("n_chunks", pa.int64()), ("fields", pa.list_(pa.string())),
      ("variants", pa.list_(pa.string())), ("chunk_ids", pa.list_(pa.string()))]
 )
-
-
-class EmbeddingCache:
-    """FP16 vectors by (model, text) in SQLite; one file per model under RUN/_cache/embeddings/."""
-
-    def __init__(self, folder: Path, model: str):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(folder / f"{stable_hash(model)[:16]}.sqlite")
-        self.db.execute("CREATE TABLE IF NOT EXISTS vectors (text TEXT PRIMARY KEY, vector BLOB)")
-
-    def get(self, texts: list[str]) -> np.ndarray | None:
-        """All vectors of ``texts``, or None if any is missing."""
-        rows = []
-        for text in texts:
-            row = self.db.execute("SELECT vector FROM vectors WHERE text = ?", (text,)).fetchone()
-            if row is None:
-                return None
-            rows.append(np.frombuffer(row[0], dtype=np.float16))
-        return np.stack(rows)
-
-    def put(self, texts: list[str], vectors: np.ndarray) -> None:
-        with self.db:
-            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
-                                [(t, v.astype(np.float16).tobytes()) for t, v in zip(texts, vectors)])
-
-    def close(self) -> None:
-        self.db.close()
 
 
 class VocabStage(Stage):
@@ -99,24 +69,13 @@ class VocabStage(Stage):
         return stats
 
     def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
-        cache = EmbeddingCache(run.root / "_cache" / "embeddings", self.config.vocab.embedding_model)
-        size = self.config.vocab.batch_size
-        parts = []
-        try:
-            for start in range(0, len(texts), size):
-                batch = texts[start : start + size]
-                vectors = cache.get(batch)
-                if vectors is None:
-                    vectors = self.embedder.encode(batch).astype(np.float16)
-                    cache.put(batch, vectors)
-                    stats.inc("tags_embedded", len(batch))
-                else:
-                    stats.inc("tags_from_cache", len(batch))
-                parts.append(vectors)
-        finally:
-            cache.close()
-        dim = parts[0].shape[1] if parts else self.embedder.dim
-        return np.concatenate(parts) if parts else np.zeros((0, dim), dtype=np.float16)
+        vectors, computed = encode_cached(self.embedder, texts, run.root / "_cache" / "embeddings",
+                                          self.config.vocab.batch_size)
+        if computed:
+            stats.inc("tags_embedded", computed)
+        if computed < len(texts):
+            stats.inc("tags_from_cache", len(texts) - computed)
+        return vectors
 
 
 def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:

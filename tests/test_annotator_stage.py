@@ -1,0 +1,154 @@
+"""The targets and train_annotator stages end to end on a small offline run."""
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_config, write_jsonl
+
+from atlas.cli import main
+from atlas.config import load_config
+from atlas.core.rundir import RunDir
+from atlas.runner import run_stages
+
+pytestmark = pytest.mark.slow  # loads the embedding model
+
+ANNOTATOR = {"epochs": 5, "hidden": 32, "judge_sample": 5, "min_per_concept": 2}
+
+
+def annotator_files(run: RunDir) -> dict:
+    folder = run.output_dir("annotator")
+    names = ("model.safetensors", "config.json", "metrics.json", "calibration.parquet", "heldout_predictions.parquet")
+    return {"targets": run.part_path("targets", 0).read_bytes()} | {n: (folder / n).read_bytes() for n in names}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, demo_records):
+    folder = tmp_path_factory.mktemp("annotator")
+    sources = ("python-docs", "python-math-docs", "python-stdlib")
+    picked = [r for source in sources for r in [d for d in demo_records if d["data_src"] == source][:10]]
+    docs = write_jsonl(folder / "docs.jsonl", [dict(r, label=r["data_src"]) for r in picked])
+    config = load_config(write_config(folder, docs, input={"metadata_fields": ["label"]},
+                                      library={"ks": [8, 16]}, tag={"batch_size": 64}, annotator=ANNOTATOR))
+    run_stages(config, log=lambda m: None)
+    return config, RunDir(config.run_dir)
+
+
+def test_targets_contract(trained):
+    config, run = trained
+    library = json.loads((run.output_dir("library") / "config.json").read_text())
+    offsets, sizes = library["domain_offsets"], library["domain_sizes"]
+    assert sorted(offsets, key=offsets.get) == ["content", "tone", "demographic", "alignment"]
+    assert sizes["tone"] == 80 and offsets["tone"] == sizes["content"]
+    rows = pq.read_table(run.part_path("targets", 0)).to_pylist()
+    tagged = set(pq.read_table(run.output_dir("tags"), columns=["chunk_id"]).column(0).to_pylist())
+    assert {r["chunk_id"] for r in rows} == tagged  # no reservoir_size: every tagged chunk
+    split_of_doc = {}
+    for r in rows:
+        assert split_of_doc.setdefault(r["doc_id"], r["split"]) == r["split"]  # a document is never split
+        for domain in offsets:
+            ids = r[f"{domain}_global_ids"]
+            assert all(offsets[domain] <= g < offsets[domain] + sizes[domain] for g in ids)
+        assert r["concepts"] == sorted(g for d in offsets for g in r[f"{d}_global_ids"])
+        assert len(r["tone_global_ids"]) >= 1 and r["aux_status"] == "offline"  # tone: min_labels 1
+    assert {"train", "heldout"} == {r["split"] for r in rows}
+
+
+def test_annotator_artifacts_metrics_and_determinism(trained):
+    config, run = trained
+    first = annotator_files(run)
+    metrics = json.loads(first["metrics.json"])
+    content = metrics["domains"]["content"]
+    assert set(metrics["domains"]) == {"content", "tone", "demographic", "alignment"}
+    assert 0 <= content["recall_at"]["10"] <= 1 and 0 < content["pr_auc"] <= 1
+    assert set(metrics["baselines"]) == {"knn_concept_embeddings", "knn_training_chunks"}
+    assert len(metrics["history"]) == ANNOTATOR["epochs"] and metrics["judge"]["is_proxy"]
+    spec = json.loads(first["config.json"])
+    assert spec["encoder"] == "all-MiniLM-L6-v2" and spec["domains"]["tone"]["offset"] > 0
+    predictions = pq.read_table(run.output_dir("annotator") / "heldout_predictions.parquet").to_pylist()
+    for p in predictions:
+        assert len(p["concepts"]) == len(p["concept_scores"])
+        content_ids = [g for g in p["concepts"] if g < spec["domains"]["tone"]["offset"]]
+        assert len(content_ids) <= spec["domains"]["content"]["cap"]
+    assert (run.root / "report" / "annotator_training.png").exists()
+
+    run_stages(config, ["targets", "train_annotator"], force=True, log=lambda m: None)
+    assert annotator_files(run) == first  # same seed, same bytes
+
+    reseeded = config.model_copy(deep=True)
+    reseeded.annotator.seed = 1
+    reseeded.run_dir = str(run.root.parent / "run-seed1")
+    shutil.copytree(run.root, reseeded.run_dir)
+    run_stages(reseeded, ["targets", "train_annotator"], force=True, log=lambda m: None)
+    other = annotator_files(RunDir(reseeded.run_dir))
+    assert other["model.safetensors"] != first["model.safetensors"]
+
+
+def test_cli_annotate_inspect_and_probe(trained, capsys):
+    _, run = trained
+    capsys.readouterr()
+    assert main(["annotate-text", str(run.root), "The sine of an angle is the ratio of two sides.", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "content" in out and "tone" in out and out.count("(0.") >= 6
+    assert main(["inspect", str(run.root), "annotator", "-n", "2"]) == 0
+    assert "inherited target" in capsys.readouterr().out
+    assert main(["inspect", str(run.root), "targets", "-n", "2"]) == 0
+    assert "split=" in capsys.readouterr().out
+    assert main(["eval", "annotator", str(run.root), "--label-field", "label"]) == 0
+    probe = json.loads((run.root / "report" / "annotator_probe.json").read_text())
+    for name in ("predicted_concept_probabilities", "predicted_concepts_multi_hot", "raw_embeddings"):
+        assert 0 <= probe[name]["accuracy"] <= 1
+
+
+def test_annotator_refuses_another_library(trained, tmp_path, capsys):
+    _, run = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run.root, copy)
+    concepts = pq.read_table(copy / "library" / "concepts.parquet")
+    pq.write_table(concepts.slice(1), copy / "library" / "concepts.parquet")  # a tampered library
+    with pytest.raises(ValueError, match="concept_id must be 0..*in order"):
+        main(["annotate-text", str(copy), "some text"])
+
+
+def test_finetune_mode_saves_its_encoder(trained, tmp_path, capsys):
+    """End-to-end fine-tuning (one short epoch on CPU here; the GPU is where it belongs)."""
+    config, run = trained
+    tuned = config.model_copy(deep=True)
+    tuned.annotator.mode, tuned.annotator.epochs, tuned.annotator.batch_size = "finetune", 1, 32
+    tuned.annotator.reservoir_size = 80  # a few steps are enough to show the mechanics
+    tuned.run_dir = str(tmp_path / "run")
+    shutil.copytree(run.root, tuned.run_dir)
+    run_stages(tuned, ["targets", "train_annotator"], force=True, log=lambda m: None)
+    folder = RunDir(tuned.run_dir).output_dir("annotator")
+    assert json.loads((folder / "config.json").read_text())["encoder"] == "encoder"
+    assert (folder / "encoder" / "model.safetensors").exists() and not list(folder.rglob("*.bin"))
+    assert main(["annotate-text", tuned.run_dir, "A function that returns the sum of two numbers."]) == 0
+    assert "content" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode, fault_rate, all_ok", [("mixed", 0.3, True), ("invalid_json", 1.0, False)])
+def test_llm_auxiliary_labels_under_faults(trained, tmp_path, mode, fault_rate, all_ok):
+    """30% faulty answers are retried until every chunk has labels; a server that never answers well
+    leaves every chunk's content targets in place, with its auxiliary status saying why."""
+    from fault_server import FaultServer
+    from test_tag_stage import openai_sections
+
+    config, run = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run.root, copy)
+    with FaultServer(mode=mode, fault_rate=fault_rate, seed=3) as server:
+        sections = openai_sections(server, tag={"max_attempts": 4})
+        llm = config.model_copy(deep=True)
+        llm.run_dir = str(copy)
+        llm.llm = llm.llm.model_copy(update=sections["llm"])
+        llm.tag = llm.tag.model_copy(update=sections["tag"])
+        run_stages(llm, ["targets"], force=True, log=lambda m: None)
+    before = pq.read_table(run.part_path("targets", 0)).to_pylist()
+    after = pq.read_table(RunDir(copy).part_path("targets", 0)).to_pylist()
+    assert [r["chunk_id"] for r in after] == [r["chunk_id"] for r in before]  # every chunk accounted for
+    assert [r["content_global_ids"] for r in after] == [r["content_global_ids"] for r in before]
+    if all_ok:
+        assert all(r["aux_status"] == "ok" and r["tone_global_ids"] for r in after)
+    else:
+        assert all(r["aux_status"] == "failed:invalid_json" and not r["tone_global_ids"] for r in after)
