@@ -208,6 +208,8 @@ class Annotator:
             raise ValueError(f"{config_path}: annotator format {data.get('format')!r}, this Atlas reads "
                              f"{ANNOTATOR_FORMAT}; retrain it")
         self.spec = AnnotatorSpec(**data)
+        # config.json stores keys sorted; labels are listed domain by domain in id order (content first)
+        self.spec.domains = dict(sorted(self.spec.domains.items(), key=lambda kv: kv[1]["offset"]))
         self.device, self.batch_size = device, batch_size
         self.heads: AnnotatorHeads | None = None
         self.embedder = None

@@ -9,6 +9,9 @@
     atlas eval library RUN [--label-field L]  purity/NMI of concepts against known labels, concept relevance
     atlas eval annotator RUN [--label-field L]  linear probes: predicted concepts vs raw embeddings
     atlas annotate-text RUN "text" [...]      the concepts the trained annotator gives a text, with scores
+    atlas search RUN "query" [-k 10]          the nearest training chunks, through the IVFPQ index
+    atlas export RUN OUT                      the release view: chunks, concepts, field guide, co-occurrence
+    atlas estimate CONFIG [--sample-docs 200]  throughput on a sample -> projected hours per stage
     atlas demo-corpus OUT                     build the offline demo corpus
 """
 
@@ -250,6 +253,42 @@ def cmd_annotate_text(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    from atlas.stages.index import search_run
+
+    for query, hits in zip(args.query, search_run(args.run_dir, args.query, args.k, args.nprobe)):
+        print("=" * 100)
+        print(f"query: {query}")
+        for hit in hits:
+            print(f"  {hit['rank']:>2}. {hit['score']:.3f}  {hit['chunk_id']}  ({hit['data_src']})")
+            _print_text(hit["text"], args.chars)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from atlas.export import export_release
+
+    summary = export_release(args.run_dir, args.out)
+    print(json.dumps(summary, indent=2))
+    print(f"release view written to {args.out} (see {Path(args.out) / 'README.md'})")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from atlas.estimate import estimate
+
+    config = _load(args)
+    rows = estimate(config, args.sample_docs)
+    print(f"{'stage':<48} {'sample':>7} {'per second':>11} {'corpus':>13} {'hours/worker':>13} "
+          f"{'hours (' + str(config.execution.workers) + ' workers)':>18}")
+    for r in rows:
+        print(f"{r['stage']:<48} {r['sample']:>7,} {r['per_second']:>9,.1f}/s {r['corpus']:>9,} {r['unit']:<3} "
+              f"{r['hours_one_worker']:>13,.2f} {r['hours']:>18,.2f}")
+    print("global stages (vocab ... train_annotator, index) are not projected: they scale with the tag vocabulary "
+          "and the reservoir")
+    return 0
+
+
 def cmd_judge(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
@@ -372,6 +411,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=0, help="show the N best-scored labels per domain instead of the decided ones")
     p.set_defaults(fn=cmd_annotate_text)
 
+    p = sub.add_parser("search", help="the training chunks nearest to a query text (IVFPQ index)",
+                       epilog='example: atlas search runs/demo "how do I open a file for writing?" -k 5',
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("query", nargs="+", help="query texts")
+    p.add_argument("-k", type=int, default=10, help="chunks per query")
+    p.add_argument("--nprobe", type=int, default=None, help="coarse lists to search (default: the index stage's)")
+    p.add_argument("--chars", type=int, default=200, help="characters of each chunk to show")
+    p.set_defaults(fn=cmd_search)
+
+    p = sub.add_parser("export", help="write the release view: chunks, concepts, field guide, co-occurrence")
+    p.add_argument("run_dir")
+    p.add_argument("out", help="output folder")
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("estimate", help="measure throughput on a sample and project the hours of each map stage")
+    p.add_argument("config", help="run configuration (YAML)")
+    p.add_argument("--sample-docs", type=int, default=200, help="documents to measure on")
+    p.add_argument("--input", help="input documents; overrides input.path")
+    p.add_argument("--run-dir", help="run directory (its trained annotator, if any, is timed)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p.set_defaults(fn=cmd_estimate)
+
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")
     p.set_defaults(fn=cmd_demo_corpus)
@@ -382,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Offline machines: Prefect's anonymous usage telemetry would only log connection errors.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary server can take longer than Prefect's 20 s to start on a busy laptop.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if getattr(args, "num_shards", "absent") is None:
         args.num_shards = 1 << 62  # one shard per task
     from atlas.config import ConfigError
@@ -390,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (ConfigError, InputError, RunConflict, StageFailed) as e:
+    except (ConfigError, InputError, RunConflict, StageFailed, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, RunConflict)) else 1
 

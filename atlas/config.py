@@ -186,12 +186,43 @@ class AnnotatorConfig(Section):
     judge_sample: int = Field(default=100, ge=0)  # held-out chunks whose predictions the relevance judge scores
 
 
+class AnnotateConfig(Section):
+    """Corpus annotation (paper 4.5): every chunk -> concepts + an FP16 embedding, shard by shard."""
+
+    batch_size: int = Field(default=64, ge=1)  # chunks per encoder forward pass
+    block_rows: int = Field(default=4096, ge=1)  # chunks read, encoded and written at a time (bounds memory)
+    # Rows per storage chunk of RUN/embeddings.zarr (1024 x 384 x 2 bytes = 768 KiB). Shards write the chunks
+    # inside their rows directly; chunks shared by two shards are written at the end: keep it below the shard size.
+    zarr_chunk_rows: int = Field(default=1024, ge=1)
+    device: str | None = None  # None: cuda if available, else cpu
+
+
+class TokenizeConfig(Section):
+    """Training shards (paper 4.5.1): [BOS] + chunk tokens + [EOC], <|endoftext|> after a document's last chunk."""
+
+    block_rows: int = Field(default=8192, ge=1)  # chunks tokenized at a time
+    threads: int = Field(default=2, ge=1)  # tiktoken's encode_ordinary_batch threads
+
+
+class IndexConfig(Section):
+    """FAISS IVFPQ over the chunk embeddings, for training-data attribution (paper 4.6)."""
+
+    code_bytes: int = Field(default=64, ge=1)  # PQ code size per vector
+    nlist: int | None = None  # None: the documented rule in atlas.index.nlist_for
+    nprobe: int = Field(default=16, ge=1)  # coarse clusters searched (paper: recall@10 0.968 at 16)
+    on_disk: bool | None = None  # None: on-disk inverted lists above atlas.index's size threshold
+    seed: int = 0
+
+
 class ExecutionConfig(Section):
     orchestrator: Literal["prefect", "inline"] = "prefect"  # inline: plain loop, no Prefect (debugging)
     # threads: the chunker's heavy calls (BlingFire, tiktoken) release the GIL. processes: separate Python
     # processes; each starts its own temporary Prefect server unless PREFECT_API_URL points at one.
-    task_runner: Literal["threads", "processes"] = "threads"
-    workers: int = Field(default=2, ge=1)  # shards processed at once
+    # ray: each shard is a Ray task (prefect-ray); a local Ray instance unless ray_address names a cluster.
+    task_runner: Literal["threads", "processes", "ray"] = "threads"
+    workers: int = Field(default=2, ge=1)  # shards processed at once (threads, processes)
+    ray_address: str | None = None  # ray: None starts a local instance; "auto" or "ray://head:10001" joins a cluster
+    ray_gpus: dict[str, float] = Field(default_factory=dict)  # ray: GPUs per shard task by stage, e.g. {annotate: 1}
     progress: bool = True
 
 
@@ -205,6 +236,9 @@ class AtlasConfig(Section):
     vocab: VocabConfig = Field(default_factory=VocabConfig)
     library: LibraryConfig = Field(default_factory=LibraryConfig)
     annotator: AnnotatorConfig = Field(default_factory=AnnotatorConfig)
+    annotate: AnnotateConfig = Field(default_factory=AnnotateConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
 
     @field_validator("name")

@@ -178,8 +178,12 @@ def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: i
     labels = [str(json.loads(rows[p["chunk_id"]]["metadata"])[label_field]) for p in kept]
     groups = [rows[p["chunk_id"]]["doc_id"] for p in kept]
     annotator = Annotator(run.output_dir("annotator")).setup()
-    embeddings, _ = encode_cached(annotator.embedder, [rows[p["chunk_id"]]["chunk_text"] for p in kept],
-                                  run.root / "_cache" / "embeddings", config.annotator.embed_batch_size)
+    texts = [rows[p["chunk_id"]]["chunk_text"] for p in kept]
+    if annotator.spec.encoder == "encoder":  # fine-tuned: its own weights, never the cache of a shared name
+        embeddings = annotator.embedder.encode(texts)
+    else:
+        embeddings, _ = encode_cached(annotator.embedder, texts, run.root / "_cache" / "embeddings",
+                                      config.annotator.embed_batch_size)
     embeddings = embeddings.astype(np.float32)
     probs = annotator.probabilities(embeddings)
     content = annotator.spec.domains["content"]

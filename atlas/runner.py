@@ -147,7 +147,8 @@ def run_stages(
         if force or (previous and previous["hash"] != stage_hash):
             later = stages_after(name)
             for stale in [name, *later]:
-                run.clear_output(STAGES[stale].output)
+                for output in (STAGES[stale].output, *STAGES[stale].extra_outputs):
+                    run.clear_output(output)
             manifest = run.read_manifest()
             for stale in [name, *later]:
                 manifest.get("stages", {}).pop(stale, None)

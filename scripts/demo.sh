@@ -9,4 +9,5 @@ bash scripts/setup.sh
 echo
 echo "Look at a few chunks and their tags:  .venv/bin/atlas inspect runs/demo tags -n 3"
 echo "Held-out chunks with predicted concepts:  .venv/bin/atlas inspect runs/demo annotator -n 3"
+echo "Nearest training chunks:  .venv/bin/atlas search runs/demo \"how do I open a file for writing?\" -k 3"
 echo "Label any text:  .venv/bin/atlas annotate-text runs/demo \"Binary search halves the interval at every step.\""

@@ -8,6 +8,6 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-EXTRAS="${ATLAS_EXTRAS:-dev,embed,library}"  # embed: torch (CPU), sentence-transformers, MiniLM; library: faiss, louvain
+EXTRAS="${ATLAS_EXTRAS:-dev,embed,library,cluster}"  # embed: torch (CPU), sentence-transformers, MiniLM; library: faiss, louvain; cluster: ray, prefect-ray
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   -c requirements/constraints.txt -e ".[${EXTRAS}]"

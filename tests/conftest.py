@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # busy CI machines start slowly
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data" / "dev"
@@ -64,3 +65,22 @@ def write_config(tmp_path: Path, input_path: Path, **sections) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, demo_records):
+    """A small offline run through train_annotator (30 documents of three sources, labelled by source)."""
+    from atlas.config import load_config
+    from atlas.core.rundir import RunDir
+    from atlas.runner import run_stages
+
+    folder = tmp_path_factory.mktemp("annotator")
+    sources = ("python-docs", "python-math-docs", "python-stdlib")
+    picked = [r for source in sources for r in [d for d in demo_records if d["data_src"] == source][:10]]
+    docs = write_jsonl(folder / "docs.jsonl", [dict(r, label=r["data_src"]) for r in picked])
+    annotator = {"epochs": 5, "hidden": 32, "judge_sample": 5, "min_per_concept": 2}
+    config = load_config(write_config(folder, docs, input={"metadata_fields": ["label"]}, library={"ks": [8, 16]},
+                                      tag={"batch_size": 64}, annotator=annotator))
+    run_stages(config, ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library", "targets",
+                        "train_annotator"], log=lambda m: None)
+    return config, RunDir(config.run_dir)

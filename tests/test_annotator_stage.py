@@ -5,34 +5,19 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_config, write_jsonl
 
 from atlas.cli import main
-from atlas.config import load_config
 from atlas.core.rundir import RunDir
 from atlas.runner import run_stages
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 
-ANNOTATOR = {"epochs": 5, "hidden": 32, "judge_sample": 5, "min_per_concept": 2}
 
 
 def annotator_files(run: RunDir) -> dict:
     folder = run.output_dir("annotator")
     names = ("model.safetensors", "config.json", "metrics.json", "calibration.parquet", "heldout_predictions.parquet")
     return {"targets": run.part_path("targets", 0).read_bytes()} | {n: (folder / n).read_bytes() for n in names}
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, demo_records):
-    folder = tmp_path_factory.mktemp("annotator")
-    sources = ("python-docs", "python-math-docs", "python-stdlib")
-    picked = [r for source in sources for r in [d for d in demo_records if d["data_src"] == source][:10]]
-    docs = write_jsonl(folder / "docs.jsonl", [dict(r, label=r["data_src"]) for r in picked])
-    config = load_config(write_config(folder, docs, input={"metadata_fields": ["label"]},
-                                      library={"ks": [8, 16]}, tag={"batch_size": 64}, annotator=ANNOTATOR))
-    run_stages(config, log=lambda m: None)
-    return config, RunDir(config.run_dir)
 
 
 def test_targets_contract(trained):
@@ -63,7 +48,7 @@ def test_annotator_artifacts_metrics_and_determinism(trained):
     assert set(metrics["domains"]) == {"content", "tone", "demographic", "alignment"}
     assert 0 <= content["recall_at"]["10"] <= 1 and 0 < content["pr_auc"] <= 1
     assert set(metrics["baselines"]) == {"knn_concept_embeddings", "knn_training_chunks"}
-    assert len(metrics["history"]) == ANNOTATOR["epochs"] and metrics["judge"]["is_proxy"]
+    assert len(metrics["history"]) == config.annotator.epochs and metrics["judge"]["is_proxy"]
     spec = json.loads(first["config.json"])
     assert spec["encoder"] == "all-MiniLM-L6-v2" and spec["domains"]["tone"]["offset"] > 0
     predictions = pq.read_table(run.output_dir("annotator") / "heldout_predictions.parquet").to_pylist()

@@ -21,6 +21,7 @@ class Stage:
     output: ClassVar[str]  # folder under RUN/, e.g. "chunks"
     kind: ClassVar[Literal["map", "global"]]
     upstream: ClassVar[tuple[str, ...]] = ()  # names of the stages whose outputs this one reads
+    extra_outputs: ClassVar[tuple[str, ...]] = ()  # other paths under RUN/ it writes (cleared with its output)
 
     def __init__(self, config: AtlasConfig):
         self.config = config

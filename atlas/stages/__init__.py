@@ -1,9 +1,12 @@
 """All pipeline stages, in pipeline order. Each stage is one module with one class."""
 
+from atlas.stages.annotate import AnnotateStage
 from atlas.stages.chunk import ChunkStage
 from atlas.stages.tag import TagStage
+from atlas.stages.tokenize import TokenizeStage
 from atlas.stages.cluster import ClusterStage
 from atlas.stages.coherence import CoherenceStage
+from atlas.stages.index import IndexStage
 from atlas.stages.label import LabelStage
 from atlas.stages.library import LibraryStage
 from atlas.stages.targets import TargetsStage
@@ -13,5 +16,5 @@ from atlas.stages.vocab import VocabStage
 STAGES = {
     stage.name: stage
     for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage, TargetsStage,
-                  TrainAnnotatorStage)
+                  TrainAnnotatorStage, AnnotateStage, TokenizeStage, IndexStage)
 }

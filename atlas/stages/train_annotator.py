@@ -184,8 +184,8 @@ class TrainAnnotatorStage(Stage):
 
         a = self.config.annotator
         train_idx, heldout_idx = np.flatnonzero(train), np.flatnonzero(heldout)
-        weights = torch.from_numpy(rarity_weights(labels["content"][train_idx], a.rarity_power))
-        generator = torch.Generator().manual_seed(a.seed)
+        weights = rarity_weights(labels["content"][train_idx], a.rarity_power)
+        rng = np.random.default_rng(a.seed)  # numpy: torch.multinomial stops at 2^24 categories
         encoder = None
         params = [{"params": heads.parameters(), "lr": a.lr}]
         if a.mode == "finetune":  # a fresh copy: self.embedder keeps the original weights for the cache
@@ -200,7 +200,7 @@ class TrainAnnotatorStage(Stage):
             heads.train()
             if encoder is not None:
                 encoder.train()
-            order = train_idx[torch.multinomial(weights, len(train_idx), replacement=True, generator=generator).numpy()]
+            order = train_idx[rng.choice(len(train_idx), size=len(train_idx), replace=True, p=weights)]
             losses = []
             for start in range(0, len(order), a.batch_size):
                 batch = order[start : start + a.batch_size]

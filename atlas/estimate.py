@@ -1,0 +1,111 @@
+"""``atlas estimate CONFIG``: measure throughput on a sample of the corpus and project the hours per stage.
+
+The sample is ``sample_docs`` documents taken from shards spread evenly over the input. Chunking and
+tagging run through the real stages (in a temporary run directory, with the configured engine);
+annotation is timed with the run's trained annotator when ``RUN/annotator`` exists, else with the
+configured encoder alone (its ``encode`` is nearly all of the annotation cost); tokenization times
+tiktoken plus the stream layout. Rates are per worker; the projection divides by
+``execution.workers``. Global stages (vocab ... train_annotator, index) depend on the size of the tag
+vocabulary and the reservoir rather than on the corpus and are not projected.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from atlas.config import AtlasConfig
+from atlas.core.rundir import RunDir
+from atlas.readers import Document, plan_shards, read_shard
+
+
+def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[Document]]:
+    """(documents in the corpus, a sample of them from shards spread over the input)."""
+    plan = plan_shards(config.input)
+    shards = plan["shards"]
+    total = sum(s["stop"] - s["start"] for s in shards)
+    picked = sorted({round(i * (len(shards) - 1) / max(1, min(len(shards), 8) - 1)) for i in range(min(len(shards), 8))})
+    per_shard = -(-sample_docs // len(picked))
+    docs: list[Document] = []
+    for shard in picked:
+        taken = 0
+        for item in read_shard(plan, shard, config.input):
+            if isinstance(item, Document) and item.text.strip():
+                docs.append(item)
+                taken += 1
+                if taken == per_shard:
+                    break
+    return total, docs[:sample_docs]
+
+
+def estimate(config: AtlasConfig, sample_docs: int = 200, log=print) -> list[dict]:
+    from atlas.runner import run_stages
+
+    total_docs, docs = sample_documents(config, sample_docs)
+    if not docs:
+        raise ValueError(f"{config.input.path}: no documents with text to sample")
+    log(f"corpus: {total_docs:,} documents; sample: {len(docs)} documents")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="atlas-estimate-") as tmp:
+        sample = Path(tmp) / "sample.jsonl"
+        sample.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text, "domain": d.domain, "data_src": d.data_src})
+                                  + "\n" for d in docs))
+        trial = config.model_copy(deep=True)
+        trial.run_dir = str(Path(tmp) / "run")
+        trial.input = trial.input.model_copy(update={
+            "path": str(sample), "format": "jsonl", "text_field": "text", "id_field": "id", "domain_field": "domain",
+            "data_src_field": "data_src", "metadata_fields": [], "docs_per_shard": len(docs)})
+        trial.execution = trial.execution.model_copy(update={"orchestrator": "inline", "progress": False})
+        run_stages(trial, ["chunk", "tag"], log=lambda m: None)
+        run = RunDir(trial.run_dir)
+        chunk_seconds = run.shard_marker("chunks", 0)["seconds"]
+        tag_marker = run.shard_marker("tags", 0)
+        import pyarrow.parquet as pq
+
+        texts = pq.read_table(run.part_path("chunks", 0), columns=["chunk_text"]).column(0).to_pylist()
+        chunks_per_doc = len(texts) / len(docs)
+        total_chunks = total_docs * chunks_per_doc
+        rows.append(_row("chunk", len(docs), chunk_seconds, "docs", total_docs, config))
+        rows.append(_row(f"tag ({config.llm.engine})", len(texts), tag_marker["seconds"], "chunks", total_chunks, config))
+        rows.append(_row(*_time_annotation(config, texts), "chunks", total_chunks, config))
+        rows.append(_row("tokenize", len(texts), _time_tokenization(config, texts), "chunks", total_chunks, config))
+    return rows
+
+
+def _row(stage: str, n: int, seconds: float, unit: str, total: float, config: AtlasConfig) -> dict:
+    rate = n / max(seconds, 1e-9)
+    hours = total / rate / 3600
+    return {"stage": stage, "sample": n, "unit": unit, "per_second": rate, "corpus": int(total),
+            "hours_one_worker": hours, "hours": hours / config.execution.workers}
+
+
+def _time_annotation(config: AtlasConfig, texts: list[str]) -> tuple[str, int, float]:
+    folder = RunDir(config.run_dir).output_dir("annotator")
+    if (folder / "config.json").exists():
+        from atlas.annotator import Annotator
+
+        annotator = Annotator(folder, device=config.annotate.device, batch_size=config.annotate.batch_size).setup()
+        annotator.annotate(texts[:8])  # load and warm up
+        start = time.perf_counter()
+        annotator.annotate(texts)
+        return "annotate", len(texts), time.perf_counter() - start
+    from atlas.embed import Embedder
+
+    embedder = Embedder(config.annotator.encoder, device=config.annotate.device, batch_size=config.annotate.batch_size)
+    embedder.encode(texts[:8])
+    start = time.perf_counter()
+    embedder.encode(texts)
+    return "annotate (encoder only: no trained annotator yet)", len(texts), time.perf_counter() - start
+
+
+def _time_tokenization(config: AtlasConfig, texts: list[str]) -> float:
+    from atlas.stages.tokenize import chunk_stream
+    from atlas.tokenizer import cl100k
+
+    encoding = cl100k()
+    start = time.perf_counter()
+    tokens = encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads)
+    chunk_stream(tokens, [False] * len(tokens))
+    return time.perf_counter() - start

@@ -1,0 +1,122 @@
+"""Stage ``annotate`` (map): every chunk shard -> annotated Parquet + FP16 embeddings (paper 4.5).
+
+Shard i of ``chunks/`` becomes ``annotated/part-i.parquet``: the chunk columns (``chunk_text``
+is named ``text``, as in the release view) plus the trained annotator's labels::
+
+    concepts                 list<int>   global ids, domain by domain (content, tone, demographic,
+                                         alignment), best first within a domain
+    concept_scores           list<float> probabilities, same order
+    content_global_ids, tone_global_ids, demographic_global_ids, alignment_global_ids
+
+The pooled embedding that the annotator's heads read is the chunk's embedding: one forward pass
+gives both, and it goes to ``RUN/embeddings.zarr`` (float16, L2-normalized; see
+``atlas.embeddings``) at the chunk's global row, so row i of the annotated parts read in shard order
+is row i of the embeddings. Chunks are read, encoded and written in blocks of
+``annotate.block_rows``, so memory does not grow with the shard or the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas.core.files import atomic_write_json
+from atlas.core.rundir import RunDir
+from atlas.core.stage import Stage
+from atlas.core.stats import Stats
+from atlas.embeddings import ID_ARRAYS, create_store, finish, write_rows
+
+ANNOTATE_VERSION = 1
+STORE = "embeddings.zarr"
+
+
+def annotated_schema(chunk_schema: pa.Schema, domains: list[str]) -> pa.Schema:
+    fields = [pa.field("text", pa.string()) if f.name == "chunk_text" else f for f in chunk_schema]
+    ids = pa.list_(pa.int64())
+    return pa.schema(fields + [pa.field("concepts", ids), pa.field("concept_scores", pa.list_(pa.float32()))]
+                     + [pa.field(f"{d}_global_ids", ids) for d in domains])
+
+
+class AnnotateStage(Stage):
+    name = "annotate"
+    output = "annotated"
+    kind = "map"
+    upstream = ("chunk", "train_annotator")
+    extra_outputs = (STORE,)
+
+    def identity(self) -> dict:
+        c = self.config.annotate
+        return {"version": ANNOTATE_VERSION, "block_rows": c.block_rows, "chunk_rows": c.zarr_chunk_rows,
+                "encode_batch_size": c.batch_size}
+
+    def plan(self, run: RunDir, stage_hash: str) -> int:
+        """Row offsets of every shard in the embedding store, and the store itself (once per hash)."""
+        n_shards = run.read_manifest()["stages"]["chunk"]["num_shards"]
+        if not (run.success_path("chunks").exists() and (run.output_dir("annotator") / "config.json").exists()):
+            return n_shards  # planned ahead (atlas plan, or before the flow starts): the store comes later
+        parts = [run.part_path("chunks", shard) for shard in range(n_shards)]
+        counts = [pq.ParquetFile(p).metadata.num_rows for p in parts]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        plan_path = run.output_dir(self.output) / "_plan.json"
+        plan = {"stage_hash": stage_hash, "shard_rows": counts, "shard_offsets": offsets[:-1], "n_rows": offsets[-1]}
+        store = run.root / STORE
+        existing = json.loads(plan_path.read_text()) if plan_path.exists() else None
+        if existing != plan or not (store / "zarr.json").exists():
+            spec = json.loads((run.output_dir("annotator") / "config.json").read_text())
+            create_store(store, offsets[-1], spec["dim"], self.config.annotate.zarr_chunk_rows,
+                         {"stage_hash": stage_hash, "encoder": spec["encoder"], "shard_offsets": offsets[:-1]})
+            for marker in run.output_dir(self.output).glob("_shards/*.json"):  # a new store: redo every shard
+                marker.unlink()
+            atomic_write_json(plan_path, plan)
+        return len(parts)
+
+    def setup(self) -> None:
+        from atlas.annotator import Annotator
+
+        self.annotator = Annotator(RunDir(self.config.run_dir).output_dir("annotator"), device=self.config.annotate.device,
+                                   batch_size=self.config.annotate.batch_size).setup()
+
+    def run_shard(self, run: RunDir, shard: int) -> Stats:
+        plan = json.loads((run.output_dir(self.output) / "_plan.json").read_text())
+        start, n = plan["shard_offsets"][shard], plan["shard_rows"][shard]
+        source = pq.ParquetFile(run.part_path("chunks", shard))
+        domains = list(self.annotator.spec.domains)
+        schema = annotated_schema(source.schema_arrow, domains)
+        target = run.part_path(self.output, shard)
+        tmp = target.with_name(f".{target.name}.tmp")
+        stats = Stats({"chunks": n})
+        vectors, ids = [], {name: [] for name in ID_ARRAYS}
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            for batch in source.iter_batches(batch_size=self.config.annotate.block_rows):
+                table = pa.Table.from_batches([batch])
+                embeddings = self.annotator.embedder.encode(table.column("chunk_text").to_pylist())
+                decided = self.annotator.decide(self.annotator.probabilities(embeddings))
+                writer.write_table(self._annotated(table, decided, domains, schema, stats))
+                vectors.append(embeddings.astype(np.float16))
+                for name in ID_ARRAYS:
+                    ids[name].append(np.asarray(table.column(name).to_pylist(), dtype=np.str_))
+        tmp.replace(target)
+        dim = self.annotator.spec.dim
+        arrays = {"embeddings": np.concatenate(vectors) if vectors else np.zeros((0, dim), np.float16)}
+        arrays |= {name: np.concatenate(v) if v else np.zeros(0, np.str_) for name, v in ids.items()}
+        write_rows(run.root / STORE, shard, start, start + n, arrays)
+        return stats
+
+    @staticmethod
+    def _annotated(table: pa.Table, decided: list[dict], domains: list[str], schema: pa.Schema, stats: Stats) -> pa.Table:
+        columns = {("text" if name == "chunk_text" else name): table.column(name) for name in table.column_names}
+        columns["concepts"] = [[g for d in domains for g, _ in row[d]] for row in decided]
+        columns["concept_scores"] = [[p for d in domains for _, p in row[d]] for row in decided]
+        for d in domains:
+            columns[f"{d}_global_ids"] = [[g for g, _ in row[d]] for row in decided]
+            stats.inc(f"labels_{d}", sum(len(row[d]) for row in decided))
+        stats.inc("chunks_without_content", sum(not row["content"] for row in decided))
+        return pa.table({name: columns[name] for name in schema.names}, schema=schema)
+
+    def finalize(self, run: RunDir, stats: Stats) -> None:
+        plan = json.loads((run.output_dir(self.output) / "_plan.json").read_text())
+        if (run.root / STORE / "_staging").exists():
+            stats.inc("embedding_rows_from_staging", finish(run.root / STORE, len(plan["shard_rows"])))

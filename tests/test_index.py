@@ -1,0 +1,225 @@
+"""The IVFPQ attribution index: sizing rules, in-memory and on-disk builds, loading, search, self-recall, inputs."""
+
+from __future__ import annotations
+
+import shutil
+
+import faiss
+import numpy as np
+import pytest
+
+from atlas.index import (INDEX_FILE, INVLISTS_FILE, build_ivfpq, load_index, nlist_for, pq_m_for, search,
+                         self_recall)
+
+N, D = 20_000, 64
+# 16-byte codes (4 dims per sub-quantizer) and a 5,000-row training sample keep the two 20k builds to seconds (FAISS
+# warns that 512 lists want 19,968 training rows); one thread, because spinning OpenMP threads on a busy 2-core
+# machine can make 2 threads several times slower than 1. The module's defaults (64 bytes, >= 50k training rows) are
+# exercised by benchmarks/bench_index.py.
+BUILD = {"code_bytes": 16, "train_size": 5000, "seed": 0, "threads": 1}
+
+
+def unit_vectors(n: int, d: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def vectors() -> np.ndarray:
+    return unit_vectors(N, D, seed=0)
+
+
+@pytest.fixture(scope="module")
+def built(vectors, tmp_path_factory) -> dict:
+    """The same vectors indexed twice: lists in index.faiss, and lists merged from 7 partial indexes on disk."""
+    root = tmp_path_factory.mktemp("index")
+    return {
+        "mem": (root / "mem", build_ivfpq(vectors, root / "mem", on_disk=False, **BUILD)),
+        "disk": (root / "disk", build_ivfpq(vectors, root / "disk", on_disk=True, batch_size=3000, **BUILD)),
+    }
+
+
+@pytest.mark.parametrize(("n", "expected"), [
+    (1, 1), (38, 1), (39, 1), (78, 2), (1000, 16), (10_000, 256), (20_000, 512), (1_000_000, 4096),
+    (100_000_000, 32768),
+])
+def test_nlist_for_examples(n, expected):
+    assert nlist_for(n) == expected
+
+
+def test_nlist_for_rule():
+    for n in [1, 7, 39, 100, 999, 5000, 12_345, 77_777, 250_000, 3_000_000, 10**9]:
+        nlist = nlist_for(n)
+        assert nlist >= 1 and nlist & (nlist - 1) == 0, (n, nlist)  # a power of two
+        assert nlist <= max(1, n // 39), (n, nlist)  # >= 39 training points per centroid
+        # ~4 sqrt(n): within a factor sqrt(2) of it (nearest power of two), unless the 39-points cap binds
+        assert nlist == 1 or nlist <= 4 * n**0.5 * 2**0.5, (n, nlist)
+        if n // 39 >= 2 * 4 * n**0.5:
+            assert 4 * n**0.5 / 2**0.5 <= nlist, (n, nlist)
+    with pytest.raises(ValueError):
+        nlist_for(0)
+
+
+@pytest.mark.parametrize(("d", "code_bytes", "expected"), [
+    (384, 64, 64), (768, 64, 64), (384, 32, 32), (64, 64, 64), (64, 16, 16), (100, 64, 50), (97, 64, 1),
+    (48, 64, 48), (384, 7, 6),
+])
+def test_pq_m_for(d, code_bytes, expected):
+    m = pq_m_for(d, code_bytes)
+    assert m == expected and d % m == 0 and m <= code_bytes
+
+
+def test_files_and_stats(built):
+    for variant, (folder, stats) in built.items():
+        names = sorted(p.name for p in folder.iterdir())
+        expected = [INDEX_FILE, INVLISTS_FILE] if variant == "disk" else [INDEX_FILE]
+        assert names == sorted(expected), names  # no temporary files, build folders or partial indexes left
+        assert stats["files"] == expected
+        assert stats["on_disk"] == (variant == "disk")
+        assert (stats["n"], stats["d"], stats["nlist"], stats["m"], stats["code_bytes"]) == (N, D, 512, 16, 16)
+        assert stats["train_size"] == 5000
+        assert stats["bytes"] == sum((folder / name).stat().st_size for name in expected)
+        assert stats["bytes_per_vector"] == pytest.approx(stats["bytes"] / N)
+        # 16 bytes of code + 8 bytes of id per vector, plus centroids, codebooks and a few words per list
+        assert 24 <= stats["bytes_per_vector"] < 24 + (512 * D * 4 + 16 * 256 * 4 * 4 + 512 * 64 + 4096) / N
+        assert stats["train_seconds"] >= 0 and stats["add_seconds"] >= 0
+    # The on-disk index.faiss holds no lists: only the centroids and codebooks.
+    disk_folder = built["disk"][0]
+    assert (disk_folder / INDEX_FILE).stat().st_size < (built["mem"][0] / INDEX_FILE).stat().st_size / 2
+
+
+def test_self_recall(built, vectors):
+    for variant, (folder, _) in built.items():
+        index = load_index(folder, nprobe=16)
+        assert index.ntotal == N
+        assert faiss.extract_index_ivf(index).nprobe == 16
+        recall = self_recall(index, vectors, sample=1000, k=10, nprobe=16)
+        assert recall >= 0.95, (variant, recall)
+
+
+def test_on_disk_matches_in_memory(built, vectors):
+    """Both builds train on the same seeded sample with seeded k-means, so they have the same centroids and codebooks,
+    encode every row identically, and the merge keeps each list in row order, as adding in row order does: the two
+    indexes hold the same lists and return the same neighbours with the same scores, not just nearly."""
+    queries = vectors[::997][:20]
+    results = {variant: search(load_index(folder), queries, k=10) for variant, (folder, _) in built.items()}
+    assert np.array_equal(results["mem"][1], results["disk"][1])
+    np.testing.assert_allclose(results["mem"][0], results["disk"][0], rtol=0, atol=1e-6)
+    # Loading into memory (no mmap) changes nothing either.
+    scores, rows = search(load_index(built["mem"][0], mmap=False), queries, k=10)
+    assert np.array_equal(rows, results["mem"][1])
+
+
+@pytest.mark.parametrize(("d", "code_bytes", "nlist"), [(64, 16, 300), (48, 64, 1), (96, 64, 8)])
+def test_fast_encoder_matches_faiss(d, code_bytes, nlist):
+    """build_ivfpq encodes through its own BLAS path (_Encoder): the codes must be FAISS' sa_encode's, byte for byte,
+    for sub-vectors of 4 dims (a fast FAISS kernel), 1 dim (nlist 1: no list number bytes) and 6 dims (the slow one,
+    as with 384 dims in 64 bytes)."""
+    from atlas.index import _Encoder, _train
+
+    x = unit_vectors(3000, d, seed=5)
+    index = _train(x, len(x), d, nlist, pq_m_for(d, code_bytes), len(x), 1000, seed=0)
+    assert np.array_equal(_Encoder(index)(x), index.sa_encode(x))
+
+
+def test_search_shapes_nprobe_and_rerank(built, vectors):
+    folder, _ = built["mem"]
+    index = load_index(folder, nprobe=4)
+    scores, rows = search(index, vectors[5], k=3)  # a single 1-D query
+    assert scores.shape == rows.shape == (1, 3) and scores.dtype == np.float32 and rows.dtype == np.int64
+    assert rows[0, 0] == 5 and np.all(np.diff(scores[0]) <= 0)
+    # Per-call nprobe does not change the index's own setting.
+    search(index, vectors[:2], k=3, nprobe=64)
+    assert faiss.extract_index_ivf(index).nprobe == 4
+    # Queries are normalized: scaling one changes nothing.
+    assert np.array_equal(search(index, 3 * vectors[:4], k=5)[1], search(index, vectors[:4], k=5)[1])
+    # Re-ranking scores candidates exactly: the row itself comes first with cosine 1.
+    scores, rows = search(index, vectors[:50], k=10, rerank=50, vectors=vectors)
+    assert np.array_equal(rows[:, 0], np.arange(50))
+    np.testing.assert_allclose(scores[:, 0], 1.0, atol=1e-5)
+    assert np.all(np.diff(scores, axis=1) <= 0)
+    assert self_recall(index, vectors, sample=200, nprobe=4, rerank=40) == 1.0
+    with pytest.raises(ValueError, match="rerank needs"):
+        search(index, vectors[:2], rerank=40)
+    with pytest.raises(ValueError, match="shape"):
+        search(index, np.ones((2, D + 1), np.float32))
+
+
+def test_folder_can_move_and_missing_lists_are_named(built, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(built["disk"][0], moved)
+    index = load_index(moved)
+    lists = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    assert isinstance(lists, faiss.OnDiskInvertedLists) and lists.filename == str(moved / INVLISTS_FILE)
+    assert index.ntotal == N
+    del index, lists
+    (moved / INVLISTS_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=INVLISTS_FILE):
+        load_index(moved)
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "index"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_index(missing)
+
+
+def test_zarr_float16_input(tmp_path):
+    """A float16 zarr array (as embeddings.zarr stores chunks) is read in batches and sampled by orthogonal selection;
+    it gives the same index as the same float16 values in a numpy array."""
+    zarr = pytest.importorskip("zarr")
+    x16 = unit_vectors(4000, D, seed=1).astype(np.float16)
+    array = zarr.create_array(store=str(tmp_path / "embeddings.zarr"), shape=x16.shape, chunks=(700, D),
+                              dtype="float16")
+    array[:] = x16
+    options = {"code_bytes": 16, "batch_size": 1500, "seed": 3}
+    stats = build_ivfpq(array, tmp_path / "from_zarr", **options)
+    build_ivfpq(x16, tmp_path / "from_numpy", **options)
+    assert (stats["n"], stats["d"], stats["nlist"], stats["on_disk"]) == (4000, D, 64, False)
+    from_zarr, from_numpy = load_index(tmp_path / "from_zarr"), load_index(tmp_path / "from_numpy")
+    assert self_recall(from_zarr, array, sample=500) >= 0.95
+    queries = x16[:25].astype(np.float32)
+    assert np.array_equal(search(from_zarr, queries)[1], search(from_numpy, queries)[1])
+    # Re-ranking reads the candidates' stored vectors back from zarr.
+    assert np.array_equal(search(from_zarr, queries, rerank=30, vectors=array)[1][:, 0], np.arange(25))
+
+
+def test_rebuild_replaces_and_switches_layout(vectors, tmp_path):
+    small = vectors[:3000]
+    disk = build_ivfpq(small, tmp_path, on_disk=True, batch_size=1000, code_bytes=8)
+    assert disk["files"] == [INDEX_FILE, INVLISTS_FILE]
+    mem = build_ivfpq(small, tmp_path, on_disk=False, code_bytes=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [INDEX_FILE]  # the stale lists file went too
+    assert mem["on_disk"] is False and load_index(tmp_path).ntotal == 3000
+
+
+def test_tiny_input_and_missing_results(tmp_path):
+    """Fewer rows than the 256 codewords of a sub-quantizer still build (the sample is repeated); a query whose
+    probed lists hold fewer than k vectors gets rows -1 with score -inf."""
+    x = unit_vectors(100, D, seed=2)
+    stats = build_ivfpq(x, tmp_path, code_bytes=16)
+    assert stats["nlist"] == 2 and stats["n"] == 100
+    index = load_index(tmp_path, nprobe=1)
+    scores, rows = search(index, x[:5], k=150)
+    assert np.all(rows[:, 100:] == -1) and np.all(np.isneginf(scores[:, 100:]))
+    assert np.all(rows[:, :40] >= 0)
+    assert self_recall(index, x, k=10, nprobe=2) >= 0.95
+
+
+def test_rejects_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="norm"):
+        build_ivfpq(np.full((500, 8), 0.5, np.float32), tmp_path)  # norm 1.41: not normalized
+    with pytest.raises(ValueError, match="norm"):
+        build_ivfpq(np.zeros((500, 8), np.float32), tmp_path)
+    with pytest.raises(ValueError, match="shape"):
+        build_ivfpq(np.zeros((0, 8), np.float32), tmp_path)
+    with pytest.raises(ValueError, match="nlist"):
+        build_ivfpq(unit_vectors(500, 8, seed=0), tmp_path, nlist=501)
+    assert not (tmp_path / INDEX_FILE).exists()
+    assert not any(p.name.startswith(".build-") for p in tmp_path.iterdir())
+
+
+def test_threads_are_restored(tmp_path):
+    before = faiss.omp_get_max_threads()
+    build_ivfpq(unit_vectors(1000, 16, seed=4), tmp_path, code_bytes=4, threads=1)
+    assert faiss.omp_get_max_threads() == before
