@@ -45,10 +45,9 @@ INVLISTS_FILE = "invlists.ondisk"
 # but the corpus behind a real run has 10-100x more chunks, and the on-disk build needs only one batch in memory.
 ON_DISK_ABOVE = 2_000_000
 
-# FAISS warns when k-means gets fewer than 39 training points per centroid; nlist_for keeps every coarse centroid
-# above that, and the default training sample gives each one more (see default_train_size).
+# FAISS warns when k-means gets fewer than 39 training points per centroid: nlist_for keeps n // nlist above that,
+# and the default training sample gives each coarse centroid exactly that many (see default_train_size).
 MIN_POINTS_PER_CENTROID = 39
-TRAIN_POINTS_PER_CENTROID = 39
 TRAIN_MIN = 50_000
 
 PQ_BITS = 8  # bits per sub-quantizer: 256 codewords, one byte of code each
@@ -92,13 +91,15 @@ def pq_m_for(d: int, code_bytes: int = 64) -> int:
 
 
 def default_train_size(n: int, nlist: int) -> int:
-    """Training sample for ``n`` vectors and ``nlist`` lists: max(64 * nlist, 50,000), at most ``n``.
+    """Training sample for ``n`` vectors and ``nlist`` lists: max(39 * nlist, 50,000), at most ``n``.
 
-    The coarse k-means wants 39 to 256 points per centroid (64 is a middle that keeps training a fraction of the
-    add pass: ~260k points for 4096 lists); the PQ codebooks (256 codewords each) want tens of thousands of points
-    whatever ``nlist``, hence the 50,000 floor. FAISS subsamples the PQ training to 65,536 residuals itself.
+    39 points per coarse centroid is the least FAISS accepts without a warning, and the coarse k-means is most of the
+    training time (sample x nlist x d x 10 iterations: ~160k points and ~1.5 minutes for 1M vectors on 2 cores here),
+    so the sample stays at that minimum; more points would move the centroids little, and a row's own list is found
+    exactly whatever the centroids. The PQ codebooks (256 codewords each) want tens of thousands of points whatever
+    ``nlist``, hence the 50,000 floor (FAISS subsamples their training to 65,536 residuals itself).
     """
-    return min(n, max(TRAIN_POINTS_PER_CENTROID * nlist, TRAIN_MIN))
+    return min(n, max(MIN_POINTS_PER_CENTROID * nlist, TRAIN_MIN))
 
 
 def build_ivfpq(
@@ -290,7 +291,7 @@ def search(
     fetch = rerank or k
     params = None
     if nprobe is not None:
-        if faiss.try_extract_index_ivf(index) is not index:
+        if not isinstance(index, faiss.IndexIVF):
             raise ValueError("nprobe= needs a plain IVF index (for a wrapped one, set it on the index)")
         params = faiss.SearchParametersIVF(nprobe=int(nprobe))
 
@@ -326,9 +327,8 @@ def self_recall(index: Any, vectors: Any, sample: int = 1000, k: int = 10, nprob
         raise ValueError("the index is empty")
     rows = np.sort(np.random.default_rng(seed).choice(n, size=min(sample, n), replace=False))
     queries = _read_rows(vectors, rows)
-    is_ivf = faiss.try_extract_index_ivf(index) is index
-    _, found = search(index, queries, k, nprobe=nprobe if is_ivf else None, rerank=rerank, vectors=vectors,
-                      threads=threads)
+    nprobe = nprobe if isinstance(index, faiss.IndexIVF) else None
+    _, found = search(index, queries, k, nprobe=nprobe, rerank=rerank, vectors=vectors, threads=threads)
     return float(np.mean((found == rows[:, None]).any(axis=1)))
 
 
@@ -401,7 +401,7 @@ def _rerank(queries: np.ndarray, candidates: np.ndarray, vectors: Any, k: int) -
     step = 64  # queries per product: bounds the (step, candidates, d) temporary to a few MB
     for start in range(0, len(queries), step):
         block = slice(start, start + step)
-        exact[block] = np.einsum("qcd,qd->qc", stored[position[block]], queries[block])
+        exact[block] = np.matmul(stored[position[block]], queries[block, :, None])[:, :, 0]
     exact[~valid] = -np.inf
     order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(exact, order, axis=1), np.take_along_axis(candidates, order, axis=1)
@@ -421,7 +421,9 @@ def _train(vectors: Any, n: int, d: int, nlist: int, m: int, train_size: int, ba
     ksub = 2 ** PQ_BITS
     if len(sample) < ksub:  # FAISS' k-means refuses fewer points than centroids
         sample = np.resize(sample, (ksub, d))
-    index = faiss.index_factory(d, f"IVF{nlist},PQ{m}x{PQ_BITS}", faiss.METRIC_INNER_PRODUCT)
+    # "np": no polysemous training. The factory turns it on by default; it reorders codewords for Hamming-distance
+    # filtering, which this index does not use, and costs more than the whole k-means (minutes at 64 bytes).
+    index = faiss.index_factory(d, f"IVF{nlist},PQ{m}x{PQ_BITS}np", faiss.METRIC_INNER_PRODUCT)
     index.cp.seed = seed
     index.pq.cp.seed = seed
     # Below 39 * 256 = 9,984 residuals FAISS warns once per sub-quantizer (64 lines); the codebooks are then finer

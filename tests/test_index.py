@@ -12,11 +12,10 @@ from atlas.index import (INDEX_FILE, INVLISTS_FILE, build_ivfpq, load_index, nli
                          self_recall)
 
 N, D = 20_000, 64
-# 16-byte codes (4 dims per sub-quantizer) and a 5,000-row training sample keep the two 20k builds to seconds (FAISS
-# warns that 512 lists want 19,968 training rows); one thread, because spinning OpenMP threads on a busy 2-core
-# machine can make 2 threads several times slower than 1. The module's defaults (64 bytes, >= 50k training rows) are
-# exercised by benchmarks/bench_index.py.
-BUILD = {"code_bytes": 16, "train_size": 5000, "seed": 0, "threads": 1}
+# 8-byte codes (8 dims per sub-quantizer, one of FAISS' fast cases) keep the two 20k builds to a second or two; one
+# thread, because spinning OpenMP threads on a busy 2-core machine can make 2 threads several times slower than 1.
+# The module's 64-byte default is exercised by benchmarks/bench_index.py.
+BUILD = {"code_bytes": 8, "seed": 0, "threads": 1}
 
 
 def unit_vectors(n: int, d: int, seed: int) -> np.ndarray:
@@ -76,12 +75,12 @@ def test_files_and_stats(built):
         assert names == sorted(expected), names  # no temporary files, build folders or partial indexes left
         assert stats["files"] == expected
         assert stats["on_disk"] == (variant == "disk")
-        assert (stats["n"], stats["d"], stats["nlist"], stats["m"], stats["code_bytes"]) == (N, D, 512, 16, 16)
-        assert stats["train_size"] == 5000
+        assert (stats["n"], stats["d"], stats["nlist"], stats["m"], stats["code_bytes"]) == (N, D, 512, 8, 8)
+        assert stats["train_size"] == N  # max(39 * 512, 50,000), capped at n
         assert stats["bytes"] == sum((folder / name).stat().st_size for name in expected)
         assert stats["bytes_per_vector"] == pytest.approx(stats["bytes"] / N)
-        # 16 bytes of code + 8 bytes of id per vector, plus centroids, codebooks and a few words per list
-        assert 24 <= stats["bytes_per_vector"] < 24 + (512 * D * 4 + 16 * 256 * 4 * 4 + 512 * 64 + 4096) / N
+        # 8 bytes of code + 8 bytes of id per vector, plus centroids, codebooks and a few words per list
+        assert 16 <= stats["bytes_per_vector"] < 16 + (512 * D * 4 + 256 * D * 4 + 512 * 64 + 4096) / N
         assert stats["train_seconds"] >= 0 and stats["add_seconds"] >= 0
     # The on-disk index.faiss holds no lists: only the centroids and codebooks.
     disk_folder = built["disk"][0]
@@ -110,14 +109,14 @@ def test_on_disk_matches_in_memory(built, vectors):
     assert np.array_equal(rows, results["mem"][1])
 
 
-@pytest.mark.parametrize(("d", "code_bytes", "nlist"), [(64, 16, 300), (48, 64, 1), (96, 64, 8)])
+@pytest.mark.parametrize(("d", "code_bytes", "nlist"), [(64, 8, 300), (24, 4, 8), (32, 8, 1)])
 def test_fast_encoder_matches_faiss(d, code_bytes, nlist):
     """build_ivfpq encodes through its own BLAS path (_Encoder): the codes must be FAISS' sa_encode's, byte for byte,
-    for sub-vectors of 4 dims (a fast FAISS kernel), 1 dim (nlist 1: no list number bytes) and 6 dims (the slow one,
-    as with 384 dims in 64 bytes)."""
+    for sub-vectors of 8 dims (a fast FAISS kernel), 6 dims (the slow one, as with 384 dims in 64 bytes) and 4 dims
+    with nlist 1 (no list number bytes)."""
     from atlas.index import _Encoder, _train
 
-    x = unit_vectors(3000, d, seed=5)
+    x = unit_vectors(2000, d, seed=5)
     index = _train(x, len(x), d, nlist, pq_m_for(d, code_bytes), len(x), 1000, seed=0)
     assert np.array_equal(_Encoder(index)(x), index.sa_encode(x))
 
@@ -172,7 +171,7 @@ def test_zarr_float16_input(tmp_path):
     array = zarr.create_array(store=str(tmp_path / "embeddings.zarr"), shape=x16.shape, chunks=(700, D),
                               dtype="float16")
     array[:] = x16
-    options = {"code_bytes": 16, "batch_size": 1500, "seed": 3}
+    options = {"code_bytes": 8, "batch_size": 1500, "seed": 3, "threads": 1}
     stats = build_ivfpq(array, tmp_path / "from_zarr", **options)
     build_ivfpq(x16, tmp_path / "from_numpy", **options)
     assert (stats["n"], stats["d"], stats["nlist"], stats["on_disk"]) == (4000, D, 64, False)
@@ -186,9 +185,9 @@ def test_zarr_float16_input(tmp_path):
 
 def test_rebuild_replaces_and_switches_layout(vectors, tmp_path):
     small = vectors[:3000]
-    disk = build_ivfpq(small, tmp_path, on_disk=True, batch_size=1000, code_bytes=8)
+    disk = build_ivfpq(small, tmp_path, on_disk=True, batch_size=1000, code_bytes=8, threads=1)
     assert disk["files"] == [INDEX_FILE, INVLISTS_FILE]
-    mem = build_ivfpq(small, tmp_path, on_disk=False, code_bytes=8)
+    mem = build_ivfpq(small, tmp_path, on_disk=False, code_bytes=8, threads=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == [INDEX_FILE]  # the stale lists file went too
     assert mem["on_disk"] is False and load_index(tmp_path).ntotal == 3000
 
@@ -197,7 +196,7 @@ def test_tiny_input_and_missing_results(tmp_path):
     """Fewer rows than the 256 codewords of a sub-quantizer still build (the sample is repeated); a query whose
     probed lists hold fewer than k vectors gets rows -1 with score -inf."""
     x = unit_vectors(100, D, seed=2)
-    stats = build_ivfpq(x, tmp_path, code_bytes=16)
+    stats = build_ivfpq(x, tmp_path, code_bytes=8, threads=1)
     assert stats["nlist"] == 2 and stats["n"] == 100
     index = load_index(tmp_path, nprobe=1)
     scores, rows = search(index, x[:5], k=150)
@@ -219,7 +218,12 @@ def test_rejects_bad_input(tmp_path):
     assert not any(p.name.startswith(".build-") for p in tmp_path.iterdir())
 
 
-def test_threads_are_restored(tmp_path):
+def test_deterministic_whatever_the_threads(tmp_path):
+    """Same input and seed, same index file byte for byte, with 1 or 2 threads; the thread setting is restored."""
     before = faiss.omp_get_max_threads()
-    build_ivfpq(unit_vectors(1000, 16, seed=4), tmp_path, code_bytes=4, threads=1)
+    x = unit_vectors(3000, 16, seed=4)
+    build_ivfpq(x, tmp_path / "one", code_bytes=4, threads=1)
     assert faiss.omp_get_max_threads() == before
+    build_ivfpq(x, tmp_path / "two", code_bytes=4, threads=2)
+    assert faiss.omp_get_max_threads() == before
+    assert (tmp_path / "one" / INDEX_FILE).read_bytes() == (tmp_path / "two" / INDEX_FILE).read_bytes()
