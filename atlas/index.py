@@ -9,10 +9,16 @@ chunks at ``nprobe`` 16 and count how often the chunk itself comes back in the t
 FAISS only stores integer ids: row ``i`` of the embedding array gets id ``i``, and the caller keeps the map from row to
 ``chunk_id`` (the aligned id arrays of ``embeddings.zarr``).
 
-Memory does not grow with the number of chunks while building: vectors are read ``batch_size`` rows at a time from any
-row-sliceable array (``numpy``, ``np.memmap``, a float16 zarr array), and past :data:`ON_DISK_ABOVE` rows the inverted
-lists are written to ``invlists.ondisk`` (a FAISS ``OnDiskInvertedLists`` file) from per-batch partial indexes instead
-of being held in memory. Searching memory-maps the lists either way, so a loaded index costs page cache, not heap.
+Building reads vectors ``batch_size`` rows at a time from any row-sliceable array (``numpy``, ``np.memmap``, a float16
+zarr array), and past :data:`ON_DISK_ABOVE` rows writes the inverted lists to ``invlists.ondisk`` (a FAISS
+``OnDiskInvertedLists`` file) merged from part files instead of holding them. Build memory is then one batch, one part
+(:data:`PART_ROWS` rows, ~75 MB) and the training sample, which grows only like sqrt(n) (39 rows per list: 250 MB at
+1M x 384 dims, ~2 GB at 100M); an in-memory build holds all codes and ids instead of a part (72 bytes a vector at
+64-byte codes). Searching memory-maps the lists either way, so a loaded index costs page cache, not heap.
+
+Time grows like n * nlist ~ n^1.5: every vector is compared with every coarse centroid (brute force, BLAS), and the
+coarse k-means does the same for the sample. At 1M x 384 on 2 cores that is a few minutes; at 100M it would be many
+hours, and an HNSW coarse quantizer (FAISS ``IVF..._HNSW32``) or a GPU would be the next step.
 
 Files in the index folder, each written under a temporary name and renamed into place:
 
@@ -45,6 +51,10 @@ INVLISTS_FILE = "invlists.ondisk"
 # but the corpus behind a real run has 10-100x more chunks, and the on-disk build needs only one batch in memory.
 ON_DISK_ABOVE = 2_000_000
 
+# Rows per part file of an on-disk build (whole batches; see _add_on_disk): 72 MB of codes and ids in memory at most,
+# and ~100 parts for 100M rows.
+PART_ROWS = 1 << 20
+
 # FAISS warns when k-means gets fewer than 39 training points per centroid: nlist_for keeps n // nlist above that,
 # and the default training sample gives each coarse centroid exactly that many (see default_train_size).
 MIN_POINTS_PER_CENTROID = 39
@@ -62,7 +72,7 @@ def nlist_for(n: int) -> int:
     """Number of coarse clusters (inverted lists) for ``n`` vectors: ~4 * sqrt(n), a power of two, >= 39 points each.
 
     FAISS' guideline for IVF is between 4 * sqrt(n) and 16 * sqrt(n) lists. The low end keeps lists long (~sqrt(n) / 4
-    vectors each), so ``nprobe`` 16 scans a fair share of the neighbourhood and training the coarse k-means stays cheap.
+    vectors each), so ``nprobe`` 16 scans a fair share of the neighbourhood, and the coarse k-means stays cheap.
     Rounding to the nearest power of two (in log scale) makes the value stable under small changes of ``n``; the cap
     (the largest power of two not above ``n // 39``) keeps at least 39 training points per centroid, the minimum FAISS
     asks for, which decides the value for small ``n``. At least 1.
@@ -127,11 +137,11 @@ def build_ivfpq(
     than 256 rows the sample is repeated up to 256, the least FAISS' 8-bit k-means accepts; the codebooks then simply
     memorize the data.
 
-    In memory (``on_disk`` False) every batch is added to one index written as ``index.faiss``. On disk, each batch
-    becomes a partial index in a build folder, and the partial inverted lists are merged into one
-    ``invlists.ondisk`` (``OnDiskInvertedLists.merge_from_multiple``, as in ``faiss.contrib.ondisk.merge_ondisk``),
-    so memory holds one batch at a time; disk briefly holds the index twice. ``on_disk=None`` picks on disk above
-    :data:`ON_DISK_ABOVE` rows. Both give the same search results (the same codes in the same lists).
+    In memory (``on_disk`` False) every batch is added to one index written as ``index.faiss``. On disk, the batches'
+    inverted lists go to part files of up to :data:`PART_ROWS` rows in a build folder, and the parts are merged into
+    one ``invlists.ondisk`` (``OnDiskInvertedLists.merge_from_multiple``, as in ``faiss.contrib.ondisk.merge_ondisk``),
+    so memory holds one batch and one part at a time; disk briefly holds the lists twice. ``on_disk=None`` picks on
+    disk above :data:`ON_DISK_ABOVE` rows. Both give the same search results (the same codes in the same lists).
 
     The build happens in ``folder/.build-<pid>/``; ``index.faiss`` is renamed into place last, after any old one was
     removed, so the folder holds either the old index, no index, or the new one, never a mix.
@@ -143,7 +153,7 @@ def build_ivfpq(
         code_bytes: PQ code size budget in bytes; see :func:`pq_m_for`.
         nlist: Number of inverted lists; default :func:`nlist_for` ``(n)``.
         train_size: Training sample size; default :func:`default_train_size`.
-        batch_size: Rows read, encoded and (on disk) written per partial index.
+        batch_size: Rows read and encoded at a time.
         on_disk: Write the inverted lists to ``invlists.ondisk``; None: when ``n > ON_DISK_ABOVE``.
         seed: Seed of the training sample and of the k-means runs.
         progress: Called as ``progress(rows_added, n)`` after each batch.
@@ -416,8 +426,10 @@ def _train(vectors: Any, n: int, d: int, nlist: int, m: int, train_size: int, ba
     import faiss
 
     rows = np.sort(np.random.default_rng(seed).choice(n, size=train_size, replace=False))
-    sample = np.concatenate([_unit_rows(_read_rows(vectors, part), part)
-                             for part in np.array_split(rows, max(1, math.ceil(len(rows) / batch_size)))])
+    sample = np.empty((len(rows), d), dtype=np.float32)  # filled in place: one copy of the sample, not two
+    for start in range(0, len(rows), batch_size):
+        part = rows[start:start + batch_size]
+        sample[start:start + len(part)] = _unit_rows(_read_rows(vectors, part), part)
     ksub = 2 ** PQ_BITS
     if len(sample) < ksub:  # FAISS' k-means refuses fewer points than centroids
         sample = np.resize(sample, (ksub, d))
@@ -436,8 +448,8 @@ def _train(vectors: Any, n: int, d: int, nlist: int, m: int, train_size: int, ba
 class _Encoder:
     """Encodes vectors exactly as ``IndexIVFPQ.sa_encode`` does (list number + PQ code), several times faster.
 
-    FAISS assigns sub-vectors to PQ codewords with a plain loop unless the sub-vector has 1, 2, 4, 8 or 12 or >= 16
-    dims; 384 dims in 64 sub-quantizers gives 6, and encoding then dominates the build (~9 s per 65,536 vectors
+    FAISS' default encoder has fast kernels for some sub-vector sizes only (4 and 8 dims were fast here, 6 and 12
+    were not); 384 dims in 64 sub-quantizers gives 6, and encoding then dominated the build (~9 s per 65,536 vectors
     here, against ~1.4 s through the BLAS path below). The BLAS path is FAISS' own
     ``compute_codes_with_assign_index`` (nearest codeword by an ``IndexFlatL2`` search per sub-quantizer), and the
     residuals and list numbers are computed as ``IndexIVFPQ`` computes them, so the codes are the same (the tests
@@ -482,41 +494,67 @@ def _add_in_memory(index, vectors: Any, n: int, batch_size: int, progress: Progr
 
 def _add_on_disk(index, vectors: Any, n: int, batch_size: int, build_dir: Path, folder: Path,
                  progress: ProgressFn | None) -> None:
-    """Encode each batch into its own partial index file, then merge their lists into ``build_dir/invlists.ondisk``.
+    """Encode the batches into part files of inverted lists, then merge the parts into ``build_dir/invlists.ondisk``.
 
-    This is ``faiss.contrib.ondisk.merge_ondisk``, except that the partial indexes stay referenced until the merge is
-    done and are then freed normally; merge_ondisk disowns their lists instead, which leaks one memory map per part.
+    The plan of ``faiss.contrib.ondisk.merge_ondisk``, done differently in three ways:
+
+    - A part holds only lists (codes and ids), as an ``OnDiskInvertedLists`` file; a partial index would also store
+      the coarse centroids, nlist * d * 4 bytes per part (6 MB at 1M rows, 50 MB at 100M).
+    - A part gathers batches up to ``PART_ROWS`` rows (at least one batch): each part keeps nlist * 24 bytes of list
+      metadata in memory until the merge, which per 65,536-row batch would be 1.2 GB over a 100M-row build.
+    - The parts are made by the ``OnDiskInvertedLists`` constructor and freed after the merge. merge_ondisk reads
+      partial indexes back with ``IO_FLAG_MMAP`` and never frees their lists: freeing those (read-only, mapped)
+      lists from Python corrupted the heap in our tries, which is presumably why it leaks them on purpose.
     """
     import faiss
 
+    ivf = faiss.extract_index_ivf(index)
     encode = _Encoder(index)
-    parts = []
+    parts = []  # OnDiskInvertedLists, one per part file, owned by Python
+
+    def fresh_lists():
+        lists = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+        ivf.replace_invlists(lists, False)  # the index writes into them; Python owns them
+        return lists
+
+    def write_part(lists) -> None:
+        part = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(build_dir / f"part-{len(parts):06d}.ivfdata"))
+        _merge_lists(part, [lists])
+        parts.append(part)
+
+    lists, rows_in_part = fresh_lists(), 0
     for start, x in _batches(vectors, n, batch_size):
-        part = faiss.clone_index(index)
-        part.add_sa_codes(encode(x), np.arange(start, start + len(x), dtype=np.int64))
-        path = build_dir / f"part-{len(parts):06d}.faiss"
-        faiss.write_index(part, str(path))
-        parts.append(path)
-        del part
+        index.add_sa_codes(encode(x), np.arange(start, start + len(x), dtype=np.int64))
+        rows_in_part += len(x)
+        if rows_in_part >= PART_ROWS:
+            write_part(lists)
+            lists, rows_in_part = fresh_lists(), 0
         if progress is not None:
             progress(start + len(x), n)
+    if rows_in_part:
+        write_part(lists)
 
-    partial = [faiss.read_index(str(path), faiss.IO_FLAG_MMAP) for path in parts]
-    lists = faiss.InvertedListsPtrVector()
-    for part in partial:
-        lists.push_back(faiss.extract_index_ivf(part).invlists)
-    ivf = faiss.extract_index_ivf(index)
     invlists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(build_dir / INVLISTS_FILE))
-    with _stdout_to_stderr():  # FAISS prints "resizing <file>" on stdout
-        ntotal = invlists.merge_from_multiple(lists.data(), lists.size(), False)
-    del lists, partial
-    for path in parts:
-        path.unlink()
+    ntotal = _merge_lists(invlists, parts)
     # The path written into index.faiss: where the file will be once published (load_index ignores it anyway).
     invlists.filename = str((folder / INVLISTS_FILE).absolute())
-    index.ntotal = ivf.ntotal = ntotal
     ivf.replace_invlists(invlists, True)
     invlists.this.disown()  # the index owns it now
+    index.ntotal = ivf.ntotal = ntotal
+    del lists, parts  # unmaps the parts
+    for path in build_dir.glob("part-*.ivfdata"):
+        path.unlink()
+
+
+def _merge_lists(target, sources: list) -> int:
+    """Merge ``sources`` (inverted lists) into the empty on-disk ``target``, list by list in order; the entry count."""
+    import faiss
+
+    pointers = faiss.InvertedListsPtrVector()
+    for source in sources:
+        pointers.push_back(source)
+    with _stdout_to_stderr():  # FAISS prints "resizing <file>" on stdout
+        return int(target.merge_from_multiple(pointers.data(), pointers.size(), False))
 
 
 def _publish(build_dir: Path, folder: Path, on_disk: bool) -> None:

@@ -6,8 +6,8 @@
 data     = ``--n`` unit vectors, float16 in an ``np.memmap`` under a temporary folder (as ``embeddings.zarr`` stores
            them), generated in batches so memory stays bounded (see :func:`synthetic_embeddings`)
 atlas    = ``atlas.index.build_ivfpq`` with its defaults (nlist_for(n) lists, ``--code-bytes`` PQ code), loaded with
-           ``load_index`` (memory-mapped); ``mem`` keeps the lists in ``index.faiss``, ``disk`` builds per-batch
-           partial indexes and merges them into ``invlists.ondisk``
+           ``load_index`` (memory-mapped); ``mem`` keeps the lists in ``index.faiss``, ``disk`` writes each batch's
+           lists to a part file and merges them into ``invlists.ondisk``
 baseline = ``faiss.IndexFlatIP`` over the same vectors in float32 (exact; it holds all of them in memory)
 
 Recall is the paper's: 1,000 indexed rows are searched (k = 10) and a hit is the row itself in its top 10, at
@@ -55,7 +55,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def synthetic_embeddings(path: Path, n: int, d: int, seed: int, dup_frac: float) -> np.memmap:
-    """Write ``n`` sentence-like unit vectors (float16) to an ``np.memmap`` at ``path``, ``GEN_BATCH`` rows at a time."""
+    """Write ``n`` sentence-like unit vectors (float16) to an ``np.memmap`` at ``path``, GEN_BATCH rows at a time."""
     rng = np.random.default_rng(seed)
     scales = 1 / np.sqrt(np.arange(1, d + 1, dtype=np.float32))  # decaying spectrum of the noise
     scales /= np.linalg.norm(scales)  # so that noise of "size" s has norm ~s
@@ -239,7 +239,8 @@ def main() -> None:
             built = _in_child(_phase_build, str(data), folder, variant == "disk", args.code_bytes, args.threads)
             print(f"[{variant}] built: train {built['train_seconds']:.1f} s + add {built['add_seconds']:.1f} s "
                   f"(train_size {built['train_size']:,}, nlist {built['nlist']}, m {built['m']}), "
-                  f"{built['bytes'] / 1e6:.1f} MB, peak RSS {built['peak_rss_mb']:.0f} MB, anon {built['peak_anon_mb']:.0f} MB",
+                  f"{built['bytes'] / 1e6:.1f} MB, peak RSS {built['peak_rss_mb']:.0f} MB, "
+                  f"anon {built['peak_anon_mb']:.0f} MB",
                   flush=True)
             searched = _in_child(_phase_search, str(data), folder, reranks, args.seed, args.threads)
             rows.append((variant, built, searched))

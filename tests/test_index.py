@@ -8,6 +8,7 @@ import faiss
 import numpy as np
 import pytest
 
+import atlas.index
 from atlas.index import (INDEX_FILE, INVLISTS_FILE, build_ivfpq, load_index, nlist_for, pq_m_for, search,
                          self_recall)
 
@@ -30,12 +31,14 @@ def vectors() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def built(vectors, tmp_path_factory) -> dict:
-    """The same vectors indexed twice: lists in index.faiss, and lists merged from 7 partial indexes on disk."""
+    """The same vectors indexed twice: lists in index.faiss, and lists merged on disk from 4 part files (of 2 batches
+    of 3,000 rows each, the last one shorter)."""
     root = tmp_path_factory.mktemp("index")
-    return {
-        "mem": (root / "mem", build_ivfpq(vectors, root / "mem", on_disk=False, **BUILD)),
-        "disk": (root / "disk", build_ivfpq(vectors, root / "disk", on_disk=True, batch_size=3000, **BUILD)),
-    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(atlas.index, "PART_ROWS", 6000)
+        disk = build_ivfpq(vectors, root / "disk", on_disk=True, batch_size=3000, **BUILD)
+    mem = build_ivfpq(vectors, root / "mem", on_disk=False, **BUILD)
+    return {"mem": (root / "mem", mem), "disk": (root / "disk", disk)}
 
 
 @pytest.mark.parametrize(("n", "expected"), [
@@ -72,7 +75,7 @@ def test_files_and_stats(built):
     for variant, (folder, stats) in built.items():
         names = sorted(p.name for p in folder.iterdir())
         expected = [INDEX_FILE, INVLISTS_FILE] if variant == "disk" else [INDEX_FILE]
-        assert names == sorted(expected), names  # no temporary files, build folders or partial indexes left
+        assert names == sorted(expected), names  # no temporary files, build folders or part files left
         assert stats["files"] == expected
         assert stats["on_disk"] == (variant == "disk")
         assert (stats["n"], stats["d"], stats["nlist"], stats["m"], stats["code_bytes"]) == (N, D, 512, 8, 8)
@@ -181,6 +184,24 @@ def test_zarr_float16_input(tmp_path):
     assert np.array_equal(search(from_zarr, queries)[1], search(from_numpy, queries)[1])
     # Re-ranking reads the candidates' stored vectors back from zarr.
     assert np.array_equal(search(from_zarr, queries, rerank=30, vectors=array)[1][:, 0], np.arange(25))
+
+
+def test_on_disk_parts_hold_lists_only(tmp_path, monkeypatch):
+    """Each part file holds its rows' codes and ids and nothing else: no copy of the coarse centroids (a partial index
+    would carry nlist * d * 4 bytes per part, 16 KB here, as much as the codes)."""
+    monkeypatch.setattr(atlas.index, "PART_ROWS", 1000)
+    x = unit_vectors(3000, D, seed=6)
+    seen = {}
+
+    def progress(done: int, n: int) -> None:
+        seen[done] = sorted((p.name, p.stat().st_size) for p in tmp_path.glob(".build-*/part-*"))
+
+    stats = build_ivfpq(x, tmp_path, on_disk=True, batch_size=1000, code_bytes=8, threads=1, progress=progress)
+    assert list(seen) == [1000, 2000, 3000]
+    assert seen[3000] == [(f"part-00000{i}.ivfdata", 1000 * (8 + 8)) for i in range(3)]
+    assert stats["bytes"] < 3000 * 16 + stats["nlist"] * (D * 4 + 64) + 256 * D * 4 + 4096
+    index = load_index(tmp_path)
+    assert index.ntotal == 3000 and self_recall(index, x, sample=300) >= 0.95
 
 
 def test_rebuild_replaces_and_switches_layout(vectors, tmp_path):
