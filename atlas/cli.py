@@ -13,6 +13,7 @@
     atlas export RUN OUT                      the release view: chunks, concepts, field guide, co-occurrence
     atlas estimate CONFIG [--sample-docs 200]  throughput on a sample -> projected hours per stage
     atlas demo-corpus OUT                     build the offline demo corpus
+    atlas cblm train|eval|generate|attribute  the concept-bottleneck LM (see atlas/cblm/cli.py)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXAMPLES = """examples:
   atlas status runs/demo
   atlas inspect runs/demo chunks -n 3
   atlas annotate-text runs/demo "Binary search halves the interval at every step."
+  atlas cblm train runs/demo                        # a toy concept-bottleneck LM on the demo's token shards
 """
 
 
@@ -437,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")
     p.set_defaults(fn=cmd_demo_corpus)
+
+    from atlas.cblm.cli import add_parser as add_cblm_parser
+
+    add_cblm_parser(sub)
     return parser
 
 

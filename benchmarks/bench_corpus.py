@@ -38,9 +38,13 @@ def make_run(source: RunDir, folder: Path, chunks: pa.Table, shard_rows: int) ->
     run = RunDir(folder)
     for name in ("library", "annotator"):
         shutil.copytree(source.output_dir(name), run.output_dir(name))
+    shards = 0
     for shard, start in enumerate(range(0, chunks.num_rows, shard_rows)):
         run.part_path("chunks", shard).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(chunks.slice(start, shard_rows), run.part_path("chunks", shard))
+        shards += 1
+    run.write_manifest({"stages": {"chunk": {"num_shards": shards}}})  # what the annotate stage plans from
+    run.mark_stage_done("chunks", "bench")
     return run
 
 

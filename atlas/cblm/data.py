@@ -1,0 +1,129 @@
+"""Training windows from a run's token shards (written by the ``tokenize`` stage), in a compact vocabulary.
+
+The tokenize stage writes, per shard, a uint32 stream ``tokens/_stream/part-XXXXX.u32`` and an index
+``tokens/part-XXXXX.parquet`` with each chunk's span [token_start, token_end) in the stream and its concept ids.
+Spans tile the stream, so every token belongs to exactly one chunk. ``TokenData`` cuts each stream into
+non-overlapping windows of ``seq_len + 1`` tokens (AR inputs are the first seq_len, targets the last seq_len) and
+keeps, for every token, the row of its chunk, so a batch comes with the multi-hot concepts of the chunks it touches.
+
+The last ``val_fraction`` of each shard's windows is held out: the windows are contiguous, so this keeps all but
+one boundary document out of training.
+
+Compact vocabulary: a cl100k_base embedding table (100,281 rows) would dwarf a toy model, so by default the model's
+vocabulary is the sorted set of ids present in the shards plus the special tokens; ``vocab[i]`` is the cl100k id of
+model id ``i``, so outputs decode with cl100k_base as they are. Everything is held in memory: a toy corpus of a few
+million tokens takes tens of MB.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from atlas.tokenizer import BOS, ENDOFTEXT, EOC, MASK, PAD, VOCAB_SIZE
+
+SPECIAL_IDS = (ENDOFTEXT, PAD, BOS, EOC, MASK)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # int64 [B, seq_len + 1], model vocabulary
+    chunk_rows: torch.Tensor  # int64 [B, seq_len + 1]: index into ``labels``
+    labels: torch.Tensor  # float [C, n]: multi-hot concepts of the C chunks the batch touches
+
+    def known_target(self, length: int) -> torch.Tensor:
+        """[B, length, n]: each of the first ``length`` positions' chunk concepts."""
+        return self.labels[self.chunk_rows[:, :length]]
+
+    def to(self, device: str) -> Batch:
+        return Batch(self.tokens.to(device), self.chunk_rows.to(device), self.labels.to(device))
+
+
+class TokenData:
+    def __init__(self, run_dir: str | Path, seq_len: int, val_fraction: float = 0.1, compact_vocab: bool = True,
+                 vocab: np.ndarray | None = None):
+        folder = Path(run_dir) / "tokens"
+        parts = sorted(folder.glob("part-*.parquet"))
+        if not parts:
+            raise FileNotFoundError(f"{folder}: no token shards; run the pipeline through the tokenize stage first")
+        library = json.loads((Path(run_dir) / "library" / "config.json").read_text())
+        self.n_concepts = int(library["n_concepts"])
+        self.seq_len = seq_len
+
+        windows, chunk_rows, concept_lists, train, val = [], [], [], [], []
+        self.chunk_ids: list[str] = []
+        for part in parts:
+            index = pq.read_table(part, columns=["chunk_id", "token_start", "token_end", "concepts"]).to_pydict()
+            stream_path = folder / "_stream" / part.name.replace(".parquet", ".u32")
+            stream = np.fromfile(stream_path, dtype="<u4")
+            starts, ends = np.asarray(index["token_start"]), np.asarray(index["token_end"])
+            if len(starts) and (starts[0] != 0 or ends[-1] != len(stream) or np.any(starts[1:] != ends[:-1])):
+                raise ValueError(f"{part}: chunk spans do not tile {stream_path} ({len(stream)} tokens)")
+            rows = np.repeat(np.arange(len(starts)) + len(self.chunk_ids), ends - starts)
+            self.chunk_ids += index["chunk_id"]
+            concept_lists += index["concepts"]
+            count = (len(stream) - 1) // seq_len  # windows overlap by one token: targets are inputs shifted by one
+            if count == 0:
+                continue
+            take = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+            n_val = int(round(count * val_fraction)) if count > 1 else 0
+            offset = sum(len(w) for w in windows)
+            train.append(offset + np.arange(count - n_val))
+            val.append(offset + np.arange(count - n_val, count))
+            windows.append(stream[take])
+            chunk_rows.append(rows[take])
+        if not windows:
+            raise ValueError(f"{folder}: fewer than {seq_len + 1} tokens in every shard; lower seq_len")
+        cl100k_windows = np.concatenate(windows)
+        if vocab is None:
+            used = np.unique(cl100k_windows) if compact_vocab else np.arange(VOCAB_SIZE)
+            vocab = np.union1d(used, np.asarray(SPECIAL_IDS))
+        self.vocab = np.asarray(vocab, dtype=np.int64)
+        model_ids = np.searchsorted(self.vocab, cl100k_windows)
+        if np.any(model_ids >= len(self.vocab)) or np.any(self.vocab[np.minimum(model_ids, len(self.vocab) - 1)]
+                                                          != cl100k_windows):
+            raise ValueError(f"{folder}: the shards hold token ids that are not in this model's vocabulary")
+        self.windows = torch.from_numpy(model_ids)
+        self.chunk_rows = torch.from_numpy(np.concatenate(chunk_rows))
+        self.train_windows, self.val_windows = np.concatenate(train), np.concatenate(val)
+        # Concepts as CSR over chunks: a dense [chunks, n] matrix would not scale with the library.
+        self.concept_ptr = np.cumsum([0] + [len(c) for c in concept_lists])
+        self.concept_ids = np.asarray([c for cs in concept_lists for c in cs], dtype=np.int64)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def model_id(self, cl100k_id: int) -> int:
+        return int(np.searchsorted(self.vocab, cl100k_id))
+
+    def chunk_labels(self, rows: np.ndarray) -> torch.Tensor:
+        """Multi-hot [len(rows), n] of the chunks at ``rows``."""
+        labels = torch.zeros(len(rows), self.n_concepts)
+        for i, row in enumerate(rows):
+            labels[i, self.concept_ids[self.concept_ptr[row]:self.concept_ptr[row + 1]]] = 1.0
+        return labels
+
+    def batch(self, window_ids: np.ndarray) -> Batch:
+        window_ids = torch.as_tensor(np.asarray(window_ids), dtype=torch.int64)
+        rows = self.chunk_rows[window_ids]
+        unique, local = torch.unique(rows, return_inverse=True)
+        return Batch(self.windows[window_ids], local, self.chunk_labels(unique.numpy()))
+
+    def train_batch(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+        """The window ids of training step ``step``: epochs of seeded permutations, so a step's batch depends only on
+        (step, batch size, seed) and a resumed run sees exactly the batches an uninterrupted one would."""
+        n = len(self.train_windows)
+        first = step * batch_size
+        epoch, ids = first // n, []
+        while len(ids) < batch_size:
+            order = np.random.default_rng([seed, epoch]).permutation(n)
+            start = first - epoch * n if not ids else 0
+            ids.extend(order[start:start + batch_size - len(ids)].tolist())
+            epoch += 1
+        return self.train_windows[np.asarray(ids)]

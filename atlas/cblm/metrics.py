@@ -1,0 +1,143 @@
+"""Validation metrics of the concept-bottleneck LM (paper section 7; ``seeds/NOTES.md`` 1.7), always computed with
+teacher forcing off and dropout off, on the held-out windows:
+
+- ``val_loss``: the LM loss (AR: next-token cross-entropy; diffusion: cross-entropy on the masked positions of a
+  per-block masking drawn with a fixed seed, so two models are scored on the same masks);
+- ``concept_loss``: OR-aggregated chunk BCE, mean per concept (lower is better);
+- ``independence``: the HSIC-style cross-covariance of u_hat and k_hat (Eq. 13-14; lower is better);
+- ``contribution``: (|k_hat.W_y| + |u_hat.W_y|) / (|k_hat.W_y| + |u_hat.W_y| + |eps.W_y|) for the true next token y,
+  averaged over positions (Eq. 22; higher is better, Steerling-8B 0.876); ``contribution_known``: the known
+  term's share alone;
+- ``detection_auc``: ROC AUC of the chunk-level concept probabilities against the chunks' annotated concepts,
+  macro-averaged over the concepts with positives and negatives among the held-out chunks;
+- ``alignment_overlap`` (``alignment=True``): an offline proxy for Known Concept Alignment: the share of the 20 tokens
+  with the largest W K_c that are among the concept's 20 most lifted tokens (lift = P(token | chunk has c) /
+  P(token), from the training windows), next to the same overlap with a random other concept's lifted tokens; and
+  the same for W (K_c - mean K) (``_centered``), the direction steering uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from atlas.cblm.data import SPECIAL_IDS, TokenData
+from atlas.cblm.losses import chunk_probabilities, compute, concept_loss
+
+
+@torch.no_grad()
+def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 8, device: str = "cpu",
+             seed: int = 0, alignment: bool = False) -> dict:
+    model.eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    windows = data.val_windows if len(data.val_windows) else data.train_windows
+    starts = list(range(0, len(windows), batch_size))[: batches if batches else None]
+    lm_sum = lm_count = 0.0
+    concept_sum = indep_sum = contribution_sum = known_sum = contribution_count = 0.0
+    probabilities, labels = [], []
+    for start in starts:
+        batch = data.batch(windows[start:start + batch_size]).to(device)
+        _, losses, extras = compute(model, batch, generator=generator)
+        scored = extras["scored"]
+        count = float(scored.sum()) if scored is not None else float(extras["targets"].numel())
+        lm_sum += float(losses["lm"]) * count
+        lm_count += count
+        parts = extras["parts"]
+        if parts is None:
+            continue
+        concept_sum += float(concept_loss(parts.known_logits, extras["rows"], extras["labels"]))
+        indep_sum += float(losses["indep"])
+        w_y = model.tok_emb.weight[extras["targets"]]
+        known, unknown, residual = ((x * w_y).sum(-1).abs() for x in (parts.k_hat, parts.u_hat, parts.eps))
+        total = (known + unknown + residual).clamp_min(1e-12)
+        share, known_share = (known + unknown) / total, known / total
+        if scored is not None:
+            share, known_share = share[scored], known_share[scored]
+        contribution_sum += float(share.sum())
+        known_sum += float(known_share.sum())
+        contribution_count += share.numel()
+        probabilities.append(chunk_probabilities(parts.known_logits, extras["rows"], len(extras["labels"])).cpu())
+        labels.append(extras["labels"].cpu())
+
+    metrics = {"val_loss": lm_sum / max(lm_count, 1.0), "val_tokens": int(lm_count)}
+    if probabilities:
+        n_batches = len(probabilities)
+        metrics.update(concept_loss=concept_sum / n_batches, independence=indep_sum / n_batches,
+                       contribution=contribution_sum / max(contribution_count, 1.0),
+                       contribution_known=known_sum / max(contribution_count, 1.0),
+                       detection_auc=detection_auc(torch.cat(probabilities).numpy(), torch.cat(labels).numpy()))
+        if alignment:
+            metrics.update(alignment_proxy(model, data))
+    return metrics
+
+
+def detection_auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """Macro ROC AUC over the concepts (columns) that have both positive and negative chunks."""
+    from sklearn.metrics import roc_auc_score
+
+    positives = labels.sum(0)
+    usable = np.flatnonzero((positives > 0) & (positives < len(labels)))
+    if len(usable) == 0:
+        return float("nan")
+    return float(np.mean([roc_auc_score(labels[:, c], probabilities[:, c]) for c in usable]))
+
+
+def lifted_tokens(data: TokenData, top: int = 20, min_support: int = 5) -> list[np.ndarray]:
+    """Per concept, the model-vocabulary ids of its ``top`` tokens by lift P(token | c) / P(token), over the
+    training windows' tokens (a token needs ``min_support`` occurrences in the concept's chunks; special tokens are
+    left out). Concepts with no chunk get an empty array."""
+    from scipy import sparse
+
+    tokens = data.windows[data.train_windows, :-1].reshape(-1).numpy()
+    rows = data.chunk_rows[data.train_windows, :-1].reshape(-1).numpy()
+    n_chunks, vocab = len(data.concept_ptr) - 1, data.vocab_size
+    chunk_tokens = sparse.csr_matrix((np.ones(len(tokens), dtype=np.float32), (rows, tokens)), shape=(n_chunks, vocab))
+    chunk_concepts = sparse.csr_matrix((np.ones(len(data.concept_ids), dtype=np.float32), data.concept_ids,
+                                        data.concept_ptr), shape=(n_chunks, data.n_concepts))
+    concept_tokens = (chunk_concepts.T @ chunk_tokens).tocsr()  # [n, vocab] token counts in each concept's chunks
+    overall = np.asarray(chunk_tokens.sum(0)).ravel()
+    p_token = overall / max(overall.sum(), 1.0)
+    special = np.searchsorted(data.vocab, np.asarray(SPECIAL_IDS))
+    lifted = []
+    for c in range(data.n_concepts):
+        row = concept_tokens.getrow(c)
+        ids, counts = row.indices, row.data
+        keep = (counts >= min_support) & ~np.isin(ids, special)
+        ids, counts = ids[keep], counts[keep]
+        if len(ids) == 0:
+            lifted.append(np.zeros(0, dtype=np.int64))
+            continue
+        lift = (counts / counts.sum()) / p_token[ids]
+        lifted.append(ids[np.argsort(-lift, kind="stable")[:top]].astype(np.int64))
+    return lifted
+
+
+@torch.no_grad()
+def concept_top_tokens(model, data: TokenData, top: int = 20, centered: bool = False) -> np.ndarray:
+    """[n, top]: the model-vocabulary ids with the largest W K_c per known concept (special tokens left out);
+    ``centered``: of W (K_c - mean K), the direction steering uses."""
+    known = model.concepts.known_emb
+    if centered:
+        known = known - known.mean(0)
+    scores = known @ model.tok_emb.weight.T  # [n, vocab]
+    scores[:, np.searchsorted(data.vocab, np.asarray(SPECIAL_IDS))] = -float("inf")
+    return scores.topk(top, dim=-1).indices.cpu().numpy()
+
+
+def alignment_proxy(model, data: TokenData, top: int = 20, seed: int = 0) -> dict:
+    lifted = lifted_tokens(data, top)
+    scored = [c for c in range(data.n_concepts) if len(lifted[c])]
+    if not scored:
+        return {}
+    other = np.random.default_rng(seed).permutation(scored)
+    result = {"alignment_concepts": len(scored)}
+    for suffix, centered in (("", False), ("_centered", True)):
+        predicted = concept_top_tokens(model, data, top, centered)
+
+        def overlap(c: int, d: int) -> float:
+            return len(np.intersect1d(predicted[c], lifted[d])) / top
+
+        result[f"alignment_overlap{suffix}"] = float(np.mean([overlap(c, c) for c in scored]))
+        result[f"alignment_overlap{suffix}_random_concept"] = float(np.mean([overlap(c, d)
+                                                                             for c, d in zip(scored, other)]))
+    return result

@@ -1,0 +1,231 @@
+"""Train a concept-bottleneck LM on a run's token shards: ``atlas cblm train RUN``.
+
+nanoGPT-style: the whole training loop is ``train`` below, read top to bottom. It writes ``RUN/cblm/<name>/``:
+
+    checkpoint/     weights, optimizer and state (see ``checkpoint.py``); a rerun resumes from it exactly
+    log.jsonl       one line per evaluation: step, learning rate, teacher forcing, train and validation metrics
+    metrics.json    the final validation metrics (``metrics.evaluate``)
+
+Schedules (``seeds/NOTES.md`` 1.8-1.9), as functions of the step so a resumed run follows them exactly:
+
+- learning rate: warmup-stable-decay, warmup min(2000 steps, ``warmup_frac``), linear decay to 0 over the last
+  ``decay_frac`` of the steps;
+- teacher forcing, convention: alpha is the probability that a position uses the ground truth (the true concepts'
+  k_hat, and for the unknown part h - true k_hat) instead of the model's prediction. alpha_known goes 1 -> floor with
+  a cosine and alpha_unknown 1 -> floor linearly over the first ``alpha_warm_frac`` of the steps; both stay at the
+  floor (0.5) and anneal linearly to 0 during the learning-rate decay, so training ends as evaluation runs: with no
+  teacher forcing (the true labels of a chunk would leak its future tokens).
+
+Dropout, diffusion masks and teacher-forcing draws are seeded from (seed, step), and a step's batch comes from
+``TokenData.train_batch(step)``: an interrupted and resumed run reaches the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from atlas.cblm import checkpoint
+from atlas.cblm.data import TokenData
+from atlas.cblm.losses import compute
+from atlas.cblm.metrics import evaluate
+from atlas.cblm.model import CBLM, ModelConfig
+from atlas.tokenizer import MASK
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = ""
+    name: str = "cblm"  # output folder: RUN/cblm/<name>
+    concepts: bool = True  # False: the baseline, the same backbone without the concept module
+    # model
+    objective: str = "ar"  # "ar" | "diffusion"
+    seq_len: int = 128
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    block_size: int = 32
+    unknown_ratio: int = 3
+    unknown_rank: int = 32
+    topk_known: int = 0
+    p_eps: float = 0.3
+    p_known_drop: float = 0.1
+    compact_vocab: bool = True
+    # optimization
+    max_steps: int = 300
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_frac: float = 0.02
+    decay_frac: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # concept losses and teacher forcing
+    lambda_concept: float = 1.0
+    lambda_rec: float = 1.0
+    lambda_indep: float = 1.0
+    alpha_floor_known: float = 0.5
+    alpha_floor_unknown: float = 0.5
+    alpha_warm_frac: float = 0.1
+    # data, evaluation, bookkeeping
+    val_fraction: float = 0.1
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    log_every: int = 20
+    seed: int = 0
+    device: str = "cpu"
+
+    def model_config(self, data: TokenData) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=data.vocab_size, n_concepts=data.n_concepts if self.concepts else 0, seq_len=self.seq_len,
+            n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, objective=self.objective,
+            block_size=self.block_size, mask_id=data.model_id(MASK), unknown_ratio=self.unknown_ratio,
+            unknown_rank=self.unknown_rank, topk_known=self.topk_known, p_eps=self.p_eps,
+            p_known_drop=self.p_known_drop,
+        )
+
+    @classmethod
+    def from_overrides(cls, run_dir: str, overrides: list[str]) -> TrainConfig:
+        """``key=value`` strings, typed by the field they set: ``["d_model=128", "objective=diffusion"]``."""
+        config, types = cls(run_dir=run_dir), {f.name: f.type for f in fields(cls)}
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or key not in types:
+                raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(types))}")
+            kind = types[key]
+            if kind == "bool":
+                parsed = value.lower() in ("1", "true", "yes", "on")
+            else:
+                parsed = {"int": int, "float": float}.get(kind, str)(value)
+            setattr(config, key, parsed)
+        return config
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    warmup = max(1, min(2000, int(config.warmup_frac * config.max_steps)))
+    decay_start = int((1 - config.decay_frac) * config.max_steps)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    if step < decay_start:
+        return config.lr
+    return config.lr * max(0.0, (config.max_steps - step) / max(1, config.max_steps - decay_start))
+
+
+def alphas_at(step: int, config: TrainConfig) -> tuple[float, float]:
+    """(alpha_known, alpha_unknown) at ``step``: the probability of teacher forcing each part."""
+    warm = max(1, int(config.alpha_warm_frac * config.max_steps))
+    decay_start = int((1 - config.decay_frac) * config.max_steps)
+    floor_k, floor_u = config.alpha_floor_known, config.alpha_floor_unknown
+    if step < warm:
+        progress = step / warm
+        return floor_k + (1 - floor_k) * 0.5 * (1 + math.cos(math.pi * progress)), 1 - (1 - floor_u) * progress
+    if step < decay_start:
+        return floor_k, floor_u
+    remaining = max(0.0, (config.max_steps - step) / max(1, config.max_steps - decay_start))
+    return floor_k * remaining, floor_u * remaining
+
+
+def configure_optimizer(model: CBLM, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices except the token embedding (the paper excludes embeddings)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and name != "tok_emb.weight" else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+
+
+def train(config: TrainConfig, log=print, stop_after: int | None = None) -> dict:
+    """Train (or resume) and return the final validation metrics. ``stop_after``: return after that many steps
+    of this call, as if killed right after a checkpoint (for tests of resume)."""
+    out = Path(config.run_dir) / "cblm" / config.name
+    out.mkdir(parents=True, exist_ok=True)
+    found = checkpoint.find(out)
+    saved = json.loads((found / "state.json").read_text()) if found else None
+    if saved and saved["train_config"] != asdict(config):
+        changed = {k: (v, asdict(config)[k]) for k, v in saved["train_config"].items() if asdict(config).get(k) != v}
+        raise ValueError(f"{out} holds a model trained with another configuration {changed}; "
+                         f"use another --name, or delete {out} to start over")
+
+    # data: windows of the token shards, in the vocabulary of the checkpoint when resuming
+    data = TokenData(config.run_dir, config.seq_len, config.val_fraction, config.compact_vocab,
+                     vocab=saved["vocab"] if saved else None)
+    if len(data.train_windows) == 0:
+        raise ValueError(f"{config.run_dir}: no training windows of {config.seq_len + 1} tokens")
+
+    # model and optimizer
+    if config.device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls while training; attribution checks use "highest"
+    torch.manual_seed(config.seed)
+    model = CBLM(config.model_config(data)).to(config.device)
+    optimizer = configure_optimizer(model, config)
+    step = 0
+    if saved:
+        weights, _ = checkpoint.load(found, config.device)
+        model.load_state_dict(weights.state_dict())
+        checkpoint.load_optimizer(found, optimizer, config.device)
+        step = saved["step"]
+        log(f"resuming {out} at step {step}")
+    counts = model.num_params()
+    log(f"model: {counts['total']:,} parameters (backbone {counts['backbone']:,}, embedding {counts['embedding']:,} "
+        f"for {data.vocab_size:,} tokens, concept module {counts['concept_module']:,} for {data.n_concepts} concepts"
+        f"{'' if config.concepts else ': off, baseline'}); {len(data.train_windows):,} training windows, "
+        f"{len(data.val_windows):,} held out")
+
+    def state_now(step: int) -> dict:
+        return {"step": step, "train_config": asdict(config), "model_config": model.config.to_dict(),
+                "vocab": data.vocab.tolist(), "n_concepts": data.n_concepts}
+
+    lambdas = (config.lambda_concept, config.lambda_rec, config.lambda_indep)
+    started, steps_this_call, last = time.perf_counter(), 0, {}
+    while step < config.max_steps:
+        # schedules and randomness are functions of the step
+        lr = lr_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        alpha_known, alpha_unknown = alphas_at(step, config)
+        torch.manual_seed(config.seed * 1_000_003 + step)
+
+        # forward, backward, update
+        model.train()
+        batch = data.batch(data.train_batch(step, config.batch_size, config.seed)).to(config.device)
+        loss, losses, _ = compute(model, batch, alpha_known, alpha_unknown, lambdas)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        steps_this_call += 1
+        last = {k: v.item() for k, v in losses.items()}
+
+        if step % config.log_every == 0 or step == config.max_steps:
+            rate = steps_this_call * config.batch_size * config.seq_len / (time.perf_counter() - started)
+            log(f"step {step}/{config.max_steps}  loss {loss.item():.3f}  "
+                + "  ".join(f"{k} {v:.3f}" for k, v in last.items())
+                + f"  lr {lr:.2e}  alpha {alpha_known:.2f}/{alpha_unknown:.2f}  {rate:,.0f} tok/s")
+        if step % config.eval_every == 0 or step == config.max_steps:
+            metrics = evaluate(model, data, batches=config.eval_batches, batch_size=config.batch_size,
+                               device=config.device, seed=config.seed)
+            record = {"step": step, "lr": lr, "alpha_known": alpha_known, "alpha_unknown": alpha_unknown,
+                      "train": last, "val": metrics}
+            with open(out / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            log(f"step {step}: val loss {metrics['val_loss']:.4f}"
+                + (f", concept loss {metrics['concept_loss']:.4f}, contribution {metrics['contribution']:.3f}, "
+                   f"detection AUC {metrics['detection_auc']:.3f}" if "concept_loss" in metrics else ""))
+        if step % config.checkpoint_every == 0 or step == config.max_steps:
+            checkpoint.save(out, model, optimizer, state_now(step))
+            if stop_after is not None and steps_this_call >= stop_after:
+                return {}
+
+    metrics = evaluate(model, data, batches=None, batch_size=config.batch_size, device=config.device,
+                       seed=config.seed, alignment=True)
+    metrics.update(step=step, parameters=model.num_params(), train_tokens=step * config.batch_size * config.seq_len)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
