@@ -106,19 +106,25 @@ def bench_throughput(source: RunDir, n_chunks: int) -> None:
 
 
 def rss_worker(source: str, n_chunks: int) -> None:
-    """Child process: annotate n short chunks (shards of 5,000) and print peak RSS."""
+    """Child process: annotate n short chunks (shards of 5,000) and print peak RSS. The synthetic shards are written
+    one at a time, so the process never holds more than one shard of input: the peak is the annotate stage's."""
     source_run = RunDir(source)
     base = pq.read_table(source_run.part_path("chunks", 0))
     words = " ".join(base.column("chunk_text").to_pylist()).split()
-    texts = [" ".join(words[(i * 24) % (len(words) - 24):][:24]) for i in range(n_chunks)]
     template = base.slice(0, 1).to_pylist()[0]
-    rows = [template | {"chunk_id": f"synthetic:{i:07d}", "doc_id": f"synthetic:{i:07d}",
-                        "source_doc_id": f"synthetic:{i:07d}", "chunk_text": text} for i, text in enumerate(texts)]
-    table = pa.Table.from_pylist(rows, schema=base.schema)
-    del rows, texts, words
+    shard_rows = 5000
     with tempfile.TemporaryDirectory() as tmp:
-        run = make_run(source_run, Path(tmp) / "run", table, 5000)
-        del table
+        empty = base.slice(0, 0)
+        run = make_run(source_run, Path(tmp) / "run", empty, shard_rows)
+        for shard, start in enumerate(range(0, n_chunks, shard_rows)):
+            rows = [template | {"chunk_id": f"synthetic:{i:07d}", "doc_id": f"synthetic:{i:07d}",
+                                "source_doc_id": f"synthetic:{i:07d}",
+                                "chunk_text": " ".join(words[(i * 24) % (len(words) - 24):][:24])}
+                    for i in range(start, min(start + shard_rows, n_chunks))]
+            run.part_path("chunks", shard).parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.Table.from_pylist(rows, schema=base.schema), run.part_path("chunks", shard))
+        run.write_manifest({"stages": {"chunk": {"num_shards": shard + 1}}})
+        del base, words, rows
         _, seconds = annotate_all(source_run, run)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"chunks": n_chunks, "peak_rss_mib": round(peak_mib, 1), "seconds": round(seconds, 1)}))

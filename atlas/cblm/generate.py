@@ -31,15 +31,15 @@ def steering_for(model: CBLM, concepts: list[int], strength: float, layer: int |
     if model.concepts is None:
         raise ValueError("this model has no concept module (a baseline): it cannot be steered by concept")
     with torch.no_grad():
-        # Relative to the mean concept embedding: every K_c also carries a component shared by all concepts (what
-        # any text's h has in common), and along it steering only promotes generic tokens ("the", "of").
+        # Relative to the mean concept embedding: the K_c share a common component (what any text's h has in
+        # common); along it, steering promotes generic tokens (seen on the dev corpus: "the number of the number").
         known = model.concepts.known_emb
         embeddings = known[concepts] - known.mean(0)
         direction = F.normalize(F.normalize(embeddings, dim=-1).sum(0), dim=0)  # e_c, in the space of h
         peak = float((model.tok_emb.weight @ direction).max())
-        # The injection happens before the final RMSNorm, which scales coordinate i of h by its weight w_i (some are
-        # negative after training): adding w * e_c to the residual stream moves h by ~ w^2 * e_c, which always has
-        # a positive inner product with e_c. Adding e_c itself can move h away from the concept.
+        # The injection happens before the final RMSNorm, which scales coordinate i of h by its learned weight w_i:
+        # adding w * e_c to the residual stream moves h by ~ w^2 * e_c, which always has a positive inner product
+        # with e_c, whatever the signs and sizes of w.
         injected = F.normalize(model.norm.weight * direction, dim=0)
     layer = model.config.n_layer // 2 if layer is None else layer
     return Steering(direction=injected, gamma=strength / peak, layer=layer,
