@@ -48,6 +48,17 @@ def make_run(source: RunDir, folder: Path, chunks: pa.Table, shard_rows: int) ->
     return run
 
 
+def best_seconds(repeats: int, **runs) -> dict[str, float]:
+    """The best of ``repeats`` timings of each callable, run alternately so both see the same machine state."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def annotate_all(source: RunDir, run: RunDir):
     """Plan and run every annotate shard in this process, like one worker; returns (stage, seconds)."""
     from atlas.stages.annotate import AnnotateStage
@@ -76,14 +87,7 @@ def bench_throughput(source: RunDir, n_chunks: int) -> None:
         run = make_run(source, Path(tmp) / "run", chunks, n_chunks)
         stage, _ = annotate_all(source, run)  # warm-up: loads the model, touches every code path
         encoder = stage.annotator.embedder
-        best = {"stage": float("inf"), "encode": float("inf")}
-        for _ in range(2):
-            start = time.perf_counter()
-            encoder.encode(texts)
-            best["encode"] = min(best["encode"], time.perf_counter() - start)
-            start = time.perf_counter()
-            stage.run_shard(run, 0)
-            best["stage"] = min(best["stage"], time.perf_counter() - start)
+        best = best_seconds(2, encode=lambda: encoder.encode(texts), stage=lambda: stage.run_shard(run, 0))
         print(f"annotate  {len(texts):>7,} chunks   bare encode {len(texts) / best['encode']:8.1f} chunks/s   "
               f"stage {len(texts) / best['stage']:8.1f} chunks/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.85)")
 
@@ -93,14 +97,8 @@ def bench_throughput(source: RunDir, n_chunks: int) -> None:
         tokenizer.setup()
         encoding = cl100k()
         n_tokens = sum(len(t) for t in encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads))
-        best = {"stage": float("inf"), "encode": float("inf")}
-        for _ in range(3):
-            start = time.perf_counter()
-            encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads)
-            best["encode"] = min(best["encode"], time.perf_counter() - start)
-            start = time.perf_counter()
-            tokenizer.run_shard(run, 0)
-            best["stage"] = min(best["stage"], time.perf_counter() - start)
+        best = best_seconds(3, encode=lambda: encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads),
+                            stage=lambda: tokenizer.run_shard(run, 0))
         print(f"tokenize  {n_tokens:>7,} tokens   encode_ordinary_batch {n_tokens / best['encode']:10,.0f} tokens/s   "
               f"stage {n_tokens / best['stage']:10,.0f} tokens/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.8)")
 

@@ -25,13 +25,11 @@ EXAMPLES = """examples:
 
 
 def _concept_names(run_dir: Path) -> list[str]:
-    import pyarrow.parquet as pq
+    from atlas.core.rundir import RunDir
+    from atlas.stages.library import load_library
 
-    table = pq.read_table(run_dir / "library" / "concepts.parquet", columns=["concept_id", "name"]).to_pydict()
-    names = [""] * (max(table["concept_id"]) + 1)
-    for concept_id, name in zip(table["concept_id"], table["name"]):
-        names[concept_id] = name
-    return names
+    concepts, _ = load_library(RunDir(run_dir))
+    return [c["name"] for c in concepts]
 
 
 def find_concept(names: list[str], query: str) -> int:

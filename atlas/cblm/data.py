@@ -1,7 +1,7 @@
 """Training windows from a run's token shards (written by the ``tokenize`` stage), in a compact vocabulary.
 
-The tokenize stage writes, per shard, a uint32 stream ``tokens/_stream/part-XXXXX.u32`` and an index
-``tokens/part-XXXXX.parquet`` with each chunk's span [token_start, token_end) in the stream and its concept ids.
+The tokenize stage writes, per shard, a uint32 token stream and an index with each chunk's span
+[token_start, token_end) in the stream and its concept ids (read here through its ``TokenShards``).
 Spans tile the stream, so every token belongs to exactly one chunk. ``TokenData`` cuts each stream into
 non-overlapping windows of ``seq_len + 1`` tokens (AR inputs are the first seq_len, targets the last seq_len) and
 keeps, for every token, the row of its chunk, so a batch comes with the multi-hot concepts of the chunks it touches.
@@ -17,14 +17,13 @@ million tokens takes tens of MB.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
+from atlas.stages.tokenize import TokenShards
 from atlas.tokenizer import BOS, ENDOFTEXT, EOC, MASK, PAD, VOCAB_SIZE
 
 SPECIAL_IDS = (ENDOFTEXT, PAD, BOS, EOC, MASK)
@@ -47,23 +46,19 @@ class Batch:
 class TokenData:
     def __init__(self, run_dir: str | Path, seq_len: int, val_fraction: float = 0.1, compact_vocab: bool = True,
                  vocab: np.ndarray | None = None):
-        folder = Path(run_dir) / "tokens"
-        parts = sorted(folder.glob("part-*.parquet"))
-        if not parts:
-            raise FileNotFoundError(f"{folder}: no token shards; run the pipeline through the tokenize stage first")
-        library = json.loads((Path(run_dir) / "library" / "config.json").read_text())
-        self.n_concepts = int(library["n_concepts"])
+        shards = TokenShards(run_dir)
+        folder = shards.run.output_dir("tokens")
+        self.n_concepts = shards.n_concepts
         self.seq_len = seq_len
 
         windows, chunk_rows, concept_lists, train, val = [], [], [], [], []
         self.chunk_ids: list[str] = []
-        for part in parts:
-            index = pq.read_table(part, columns=["chunk_id", "token_start", "token_end", "concepts"]).to_pydict()
-            stream_path = folder / "_stream" / part.name.replace(".parquet", ".u32")
-            stream = np.fromfile(stream_path, dtype="<u4")
+        for shard, part in enumerate(shards.parts):
+            index = shards.index(shard)
+            stream = np.asarray(shards.stream(shard))
             starts, ends = np.asarray(index["token_start"]), np.asarray(index["token_end"])
             if len(starts) and (starts[0] != 0 or ends[-1] != len(stream) or np.any(starts[1:] != ends[:-1])):
-                raise ValueError(f"{part}: chunk spans do not tile {stream_path} ({len(stream)} tokens)")
+                raise ValueError(f"{part}: chunk spans do not tile the shard's token stream ({len(stream)} tokens)")
             rows = np.repeat(np.arange(len(starts)) + len(self.chunk_ids), ends - starts)
             self.chunk_ids += index["chunk_id"]
             concept_lists += index["concepts"]

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from atlas.cblm import checkpoint
 from atlas.cblm.data import TokenData
@@ -167,8 +168,7 @@ def train(config: TrainConfig, log=print, stop_after: int | None = None) -> dict
     optimizer = configure_optimizer(model, config)
     step = 0
     if saved:
-        weights, _ = checkpoint.load(found, config.device)
-        model.load_state_dict(weights.state_dict())
+        model.load_state_dict(load_file(found / "model.safetensors", device=config.device))
         checkpoint.load_optimizer(found, optimizer, config.device)
         step = saved["step"]
         log(f"resuming {out} at step {step}")
