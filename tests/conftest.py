@@ -43,7 +43,7 @@ def prefect_harness():
     """One temporary Prefect backend for the whole test run (starting one costs seconds)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=None):  # None: use the env timeout above, not 30 s
         yield
 
 
