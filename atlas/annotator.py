@@ -18,7 +18,6 @@ Saved as ``model.safetensors`` (heads; plus ``encoder/`` when fine-tuned) and ``
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 ANNOTATOR_FORMAT = 1
+RETRAIN = "retrain the annotator (atlas run CONFIG --force --stages train_annotator)"
 
 
 class AnnotatorHeads(nn.Module):
@@ -199,48 +199,87 @@ class Annotator:
     """
 
     def __init__(self, folder: str | Path, device: str | None = None, batch_size: int = 64):
+        from atlas.core.files import ArtifactError, read_json
+
         self.folder = Path(folder)
         config_path = self.folder / "config.json"
         if not config_path.exists():
             raise FileNotFoundError(f"{config_path}: no trained annotator here (run the train_annotator stage)")
-        data = json.loads(config_path.read_text())
+        data = read_json(config_path)
         if data.get("format") != ANNOTATOR_FORMAT:
-            raise ValueError(f"{config_path}: annotator format {data.get('format')!r}, this Atlas reads "
-                             f"{ANNOTATOR_FORMAT}; retrain it")
-        self.spec = AnnotatorSpec(**data)
+            raise ArtifactError(f"{config_path}: annotator format {data.get('format')!r}, this Atlas reads "
+                                f"{ANNOTATOR_FORMAT}; {RETRAIN}")
+        try:
+            self.spec = AnnotatorSpec(**data)
+        except TypeError as e:
+            raise ArtifactError(f"{config_path}: not an annotator config ({e}); {RETRAIN}") from None
+        domains = self.spec.domains
+        if not isinstance(domains, dict) or "content" not in domains or not all(
+                isinstance(v, dict) and {"offset", "size", "threshold", "cap"} <= v.keys() for v in domains.values()):
+            raise ArtifactError(f"{config_path}: 'domains' must map 'content' and each auxiliary domain to its "
+                                f"offset, size, threshold and cap; {RETRAIN}")
         # config.json stores keys sorted; labels are listed domain by domain in id order (content first)
-        self.spec.domains = dict(sorted(self.spec.domains.items(), key=lambda kv: kv[1]["offset"]))
+        self.spec.domains = dict(sorted(domains.items(), key=lambda kv: kv[1]["offset"]))
         self.device, self.batch_size = device, batch_size
         self.heads: AnnotatorHeads | None = None
         self.embedder = None
 
     def setup(self) -> "Annotator":
-        if self.heads is not None:
-            return self
-        from safetensors.torch import load_file
-
         from atlas.embed import Embedder
 
-        s = self.spec
-        weights = load_file(str(self.folder / "model.safetensors"))
-        n_content = s.domains["content"]["size"]
-        if weights["concepts"].shape != (n_content, s.dim):
-            raise ValueError(f"{self.folder / 'model.safetensors'}: concept matrix is {tuple(weights['concepts'].shape)}, "
-                             f"config.json says ({n_content}, {s.dim})")
-        self.heads = AnnotatorHeads(s.dim, n_content, s.aux_sizes(), s.hidden, s.dropout)
-        self.heads.load_state_dict(weights)
-        self.heads.eval()
-        encoder = str(self.folder / s.encoder) if (self.folder / s.encoder).is_dir() else s.encoder
-        self.embedder = Embedder(encoder, device=self.device, batch_size=self.batch_size)
+        if self.heads is None:
+            self.heads = self.load_heads()
+        if self.embedder is None:
+            s = self.spec
+            encoder = str(self.folder / s.encoder) if (self.folder / s.encoder).is_dir() else s.encoder
+            self.embedder = Embedder(encoder, device=self.device, batch_size=self.batch_size)
         return self
+
+    def load_heads(self) -> AnnotatorHeads:
+        """The heads from ``model.safetensors``, checked against config.json (cheap: the encoder is not loaded)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from atlas.core.files import ArtifactError
+
+        s, path = self.spec, self.folder / "model.safetensors"
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing (config.json is there, the weights are not); {RETRAIN}")
+        try:
+            weights = load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise ArtifactError(f"{path}: not a readable safetensors file ({e}); {RETRAIN}") from None
+        n_content = s.domains["content"]["size"]
+        if "concepts" not in weights or weights["concepts"].shape != (n_content, s.dim):
+            found = tuple(weights["concepts"].shape) if "concepts" in weights else "missing"
+            raise ArtifactError(f"{path}: concept matrix is {found}, config.json says ({n_content}, {s.dim}); "
+                                f"{RETRAIN}")
+        heads = AnnotatorHeads(s.dim, n_content, s.aux_sizes(), s.hidden, s.dropout)
+        try:
+            heads.load_state_dict(weights)
+        except RuntimeError as e:
+            raise ArtifactError(f"{path}: the weights do not fit config.json ({e}); {RETRAIN}") from None
+        return heads.eval()
 
     def check_library(self, concepts: list[dict]) -> None:
         """Fail clearly when this annotator was trained on another label space than ``concepts``."""
+        from atlas.core.files import ArtifactError
+
         for domain, v in self.spec.domains.items():
             found = sum(c["domain"] == domain for c in concepts)
             if found != v["size"]:
-                raise ValueError(f"{self.folder}: the annotator knows {v['size']} {domain} concepts but the library "
-                                 f"has {found}; retrain the annotator (atlas run CONFIG --force --stages train_annotator)")
+                raise ArtifactError(f"{self.folder / 'config.json'}: the annotator knows {v['size']} {domain} "
+                                    f"concepts but the library has {found}; {RETRAIN}")
+
+    def check_library_file(self, path: str | Path) -> None:
+        """Fail clearly when ``path`` (library/concepts.parquet) is not the file this annotator was trained on."""
+        from atlas.core.files import ArtifactError, sha256_bytes
+
+        path = Path(path)
+        if self.spec.library_sha256 and sha256_bytes(path.read_bytes()) != self.spec.library_sha256:
+            raise ArtifactError(f"{path}: not the library this annotator was trained on (its sha256 differs from "
+                                f"the one in {self.folder / 'config.json'}): the file was changed or replaced; "
+                                f"restore it, or {RETRAIN}")
 
     def probabilities(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
         """Per domain, [N, n_domain] probabilities from pooled L2-normalized embeddings."""

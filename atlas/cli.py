@@ -11,6 +11,7 @@
     atlas annotate-text RUN "text" [...]      the concepts the trained annotator gives a text, with scores
     atlas search RUN "query" [-k 10]          the nearest training chunks, through the IVFPQ index
     atlas export RUN OUT                      the release view: chunks, concepts, field guide, co-occurrence
+    atlas report RUN                          (re)write RUN/report/index.html, the self-contained run report
     atlas estimate CONFIG [--sample-docs 200]  throughput on a sample -> projected hours per stage
     atlas demo-corpus OUT                     build the offline demo corpus
     atlas cblm train|eval|generate|attribute  the concept-bottleneck LM (see atlas/cblm/cli.py)
@@ -63,23 +64,30 @@ def cmd_run(args) -> int:
     if args.no_progress:
         config.execution.progress = False
     stages = args.stages.split(",") if args.stages else None
-    if config.execution.orchestrator == "prefect":
-        from flows.pipeline import run_with_prefect
+    try:
+        if config.execution.orchestrator == "prefect":
+            from flows.pipeline import run_with_prefect
 
-        # Check the run directory and plan shards before starting Prefect: conflicts fail fast, and a
-        # finished run does not start a Prefect server at all.
-        reports = run_stages(config, stages, args.force, plan_only=True, log=lambda msg: None)
-        if all(r.skipped for r in reports):
-            for r in reports:
-                print(f"{r.name}: already done (hash {r.stage_hash[:12]}), nothing to do")
+            # Check the run directory and plan shards before starting Prefect: conflicts fail fast, and a
+            # finished run does not start a Prefect server at all.
+            reports = run_stages(config, stages, args.force, plan_only=True, log=lambda msg: None)
+            if all(r.skipped for r in reports):
+                for r in reports:
+                    print(f"{r.name}: already done (hash {r.stage_hash[:12]}), nothing to do")
+            else:
+                reports = run_with_prefect(config, stages, force=False)
         else:
-            reports = run_with_prefect(config, stages, force=False)
-    else:
-        reports = run_stages(config, stages, args.force)
-    if all(r.skipped for r in reports):
-        print(f"Nothing to do: every stage is already done in {config.run_dir}")
-    else:
-        print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
+            reports = run_stages(config, stages, args.force)
+        if all(r.skipped for r in reports):
+            print(f"Nothing to do: every stage is already done in {config.run_dir}")
+        else:
+            print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
+    finally:
+        # Also after a failure: the report then shows the failed shards and what was dropped so far.
+        if (Path(config.run_dir) / "manifest.json").exists():
+            from atlas.report import refresh_report
+
+            refresh_report(config.run_dir)
     return 0
 
 
@@ -116,29 +124,12 @@ def cmd_stage(args) -> int:
 
 def cmd_status(args) -> int:
     from atlas.core.rundir import RunDir
-    from atlas.stages import STAGES
+    from atlas.status import format_status, status_rows
 
     run = RunDir(args.run_dir)
-    manifest = run.read_manifest()
-    if not manifest:
+    if not run.manifest_path.exists():
         raise SystemExit(f"{run.root}: not an Atlas run directory (no manifest.json)")
-    print(f"run {manifest.get('name')} in {run.root}")
-    recorded = manifest.get("stages", {})
-    for name, info in sorted(recorded.items(), key=lambda kv: list(STAGES).index(kv[0]) if kv[0] in STAGES else 99):
-        output = STAGES[name].output if name in STAGES else name
-        n = info.get("num_shards", 0)
-        markers = [run.shard_marker(output, i) for i in range(n)]
-        done = [m for m in markers if m and m.get("stage_hash") == info["hash"]]
-        state = "done" if run.is_stage_done(output, info["hash"]) else info.get("status", "?")
-        counters: dict = {}
-        for m in done:
-            for k, v in m["counters"].items():
-                counters[k] = counters.get(k, 0) + v
-        print(f"  {name:<16} {state:<8} shards {len(done)}/{n} done, {n - len(done)} pending   hash {info['hash'][:12]}")
-        for k, v in counters.items():
-            print(f"      {k:<32} {v:>12,}")
-        if info.get("failed_shards"):
-            print(f"      failed shards: {info['failed_shards']}")
+    print(json.dumps(status_rows(run), indent=1) if args.json else format_status(run))
     return 0
 
 
@@ -333,6 +324,13 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from atlas.report import write_html_report
+
+    print(write_html_report(args.run_dir))
+    return 0
+
+
 def cmd_demo_corpus(args) -> int:
     from atlas.demo_corpus import build_demo_corpus
 
@@ -377,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of tasks; task I runs the shards s with s %% N == I (default: one shard per task)")
     p.set_defaults(fn=cmd_stage)
 
-    p = sub.add_parser("status", help="per stage: shards done and pending, counters, drops")
+    p = sub.add_parser("status", help="per stage: state (running, interrupted, failed, done), shards, counters, drops, errors")
     p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print the status as JSON rows")
     p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("inspect", help="print a few rows of a stage's output")
@@ -436,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     p.set_defaults(fn=cmd_estimate)
 
+    p = sub.add_parser("report", help="(re)write RUN/report/index.html: stages, drops, plots, concepts, metrics")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_report)
+
     p = sub.add_parser("demo-corpus", help="build the small offline demo corpus from text installed with Python")
     p.add_argument("out", help="output JSONL file")
     p.set_defaults(fn=cmd_demo_corpus)
@@ -463,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InputError, RunConflict, StageFailed, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, RunConflict)) else 1
+    except OSError as e:  # a full disk, a read-only or unwritable run directory: every write is atomic
+        print(f"error: {e}\nNothing written so far is lost (every file is written whole, then renamed); "
+              f"fix the cause and rerun the same command to continue.", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

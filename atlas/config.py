@@ -1,7 +1,7 @@
 """Run configuration: one YAML file, validated with pydantic.
 
 Every section forbids unknown keys, and a typo is reported with the nearest valid key, e.g.
-``chunk.max_tokns: unknown key; did you mean 'max_tokens'?``. Command-line overrides use
+``llm.modle: unknown key; did you mean 'model'?``. Command-line overrides use
 dotted paths: ``--set chunk.domains.web.max_tokens=200``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -179,10 +179,10 @@ class AnnotatorConfig(Section):
     rarity_power: float = Field(default=0.5, ge=0)  # sampling weight of a chunk: mean over its concepts of count^-power
     # Decision rule: per-domain threshold and cap on the number of labels, chosen on the held-out split
     # (criterion: recall^2 / P(predicted), Lee & Liu 2003, which needs no negatives); fixed values override.
-    max_caps: dict[str, int] = Field(default_factory=lambda: {"content": 20, "tone": 3, "demographic": 3,
-                                                              "alignment": 2})
-    thresholds: dict[str, float] = Field(default_factory=dict)
-    caps: dict[str, int] = Field(default_factory=dict)
+    max_caps: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: {"content": 20, "tone": 3, "demographic": 3, "alignment": 2})
+    thresholds: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)  # probabilities
+    caps: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     judge_sample: int = Field(default=100, ge=0)  # held-out chunks whose predictions the relevance judge scores
 
 
@@ -324,7 +324,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
             setattr(section, key, str((base / getattr(section, key)).resolve()))
     if config.input.path and "://" not in config.input.path:
         config.input.path = str((base / config.input.path).resolve())
+    if problems := _missing_files(config):
+        raise ConfigError("\n".join([f"invalid configuration in {source}:", *problems]))
     return config
+
+
+def _missing_files(config: AtlasConfig) -> list[str]:
+    """Names in the config that must be files (schemas, lists, the prompt) but are not: found at load time, not
+    when the stage that reads them starts."""
+    problems = []
+    if config.tag.prompt and not Path(config.tag.prompt).is_file():
+        problems.append(f"  tag.prompt: file not found: {config.tag.prompt}")
+    root = Path(config.tag.schema_dir) if config.tag.schema_dir else PROJECT_ROOT / "schemas"
+    if not root.is_dir():
+        return problems + [f"  tag.schema_dir: folder not found: {root}"]
+    for key, folder, names in (("tag.domain_schemas", root / "tags", config.tag.domain_schemas),
+                               ("library.aux_domains", root / "aux", config.library.aux_domains)):
+        available = sorted(p.stem for p in folder.glob("*.json"))
+        for where, name in (names.items() if isinstance(names, dict) else enumerate(names)):
+            if name not in available:
+                problems.append(f"  {key}.{where}: no schema {name!r} in {folder} (there are: {', '.join(available)})")
+    return problems
 
 
 def config_from_dict(data: dict) -> AtlasConfig:

@@ -79,7 +79,10 @@ class Embedder:
 
             hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker add nothing
 
-            self.model = SentenceTransformer(resolve_model(self.model_name), device=self.device)
+            # use_safetensors: weights never come from a pickle (a fine-tuned encoder lives in the run
+            # directory, and a planted pytorch_model.bin there must not run code). trust_remote_code stays off.
+            self.model = SentenceTransformer(resolve_model(self.model_name), device=self.device,
+                                             model_kwargs={"use_safetensors": True}, trust_remote_code=False)
         return self
 
     @property

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from atlas.core.files import read_json
+
 ID_ARRAYS = ("chunk_id", "doc_id", "source_doc_id", "data_src")
 STAGING = "_staging"
 
@@ -117,6 +119,19 @@ def finish(path: Path, n_shards: int) -> int:
     return written
 
 
+# Codecs that only decode bytes. Others (numcodecs' pickle, object codecs) can run code while
+# decoding, and a run directory may come from someone else: they are refused before zarr reads.
+SAFE_CODECS = frozenset({"bytes", "vlen-utf8", "vlen-bytes", "zstd", "blosc", "gzip", "transpose", "crc32c"})
+
+
+def _check_codecs(path: Path) -> None:
+    for meta in sorted(path.rglob("zarr.json")):
+        for codec in read_json(meta).get("codecs", []):
+            name = codec.get("name") if isinstance(codec, dict) else codec
+            if name not in SAFE_CODECS:
+                raise ValueError(f"{meta}: codec {name!r} is not allowed (allowed: {', '.join(sorted(SAFE_CODECS))})")
+
+
 def open_embeddings(run_root: Path):
     """The store as a zarr group (read-only); checks that it was completed."""
     import zarr
@@ -124,7 +139,8 @@ def open_embeddings(run_root: Path):
     path = Path(run_root) / "embeddings.zarr"
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"{path}: no embeddings yet; run the annotate stage")
-    group = zarr.open_group(str(path), mode="r")
+    _check_codecs(path)
+    group = zarr.open_group(str(path), mode="r", zarr_format=3)
     if (path / STAGING).exists():
         raise RuntimeError(f"{path}: incomplete (the annotate stage has not finished); rerun it")
     if group["embeddings"].shape[0] != group.attrs["n_rows"]:

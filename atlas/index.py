@@ -225,6 +225,7 @@ def load_index(folder: str | Path, nprobe: int = 16, mmap: bool = True):
 
     Raises:
         FileNotFoundError: If ``folder/index.faiss`` (or the ``invlists.ondisk`` it needs) does not exist.
+        atlas.core.files.ArtifactError: If ``index.faiss`` cannot be read (truncated or damaged).
     """
     import faiss
 
@@ -236,11 +237,18 @@ def load_index(folder: str | Path, nprobe: int = 16, mmap: bool = True):
     # The flags depend on the layout, and build_ivfpq leaves invlists.ondisk exactly when the index uses it. They
     # cannot be the same for both: IO_FLAG_MMAP includes IO_FLAG_SKIP_IVF_DATA, which for on-disk lists means "do not
     # open them" (searching such an index crashes), and on-disk lists are memory-mapped anyway.
-    if (folder / INVLISTS_FILE).is_file():
-        with _stdout_to_stderr():  # FAISS prints the SAME_DIR path rewrite on stdout
-            index = faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
-    else:
-        index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)
+    try:
+        if (folder / INVLISTS_FILE).is_file():
+            with _stdout_to_stderr():  # FAISS prints the SAME_DIR path rewrite on stdout
+                index = faiss.read_index(str(path), faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY)
+        else:
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP if mmap else 0)
+    except RuntimeError as e:  # FAISS reports a cut or foreign file as an assertion deep inside its reader
+        from atlas.core.files import ArtifactError
+
+        detail = str(e).strip().splitlines()[-1]
+        raise ArtifactError(f"{path}: not a readable FAISS index ({detail}): truncated or damaged; rebuild it "
+                            "(atlas run CONFIG --force --stages index)") from None
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         lists = faiss.downcast_InvertedLists(ivf.invlists)

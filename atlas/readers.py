@@ -30,13 +30,10 @@ import pyarrow.parquet as pq
 import zstandard
 
 from atlas.config import InputConfig
+from atlas.core.files import InputError  # noqa: F401 (defined with the other file errors; imported from here too)
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
-
-
-class InputError(ValueError):
-    """Input that cannot be read at all (missing path, unreadable file, missing column)."""
 
 
 @dataclass(slots=True)
@@ -49,6 +46,7 @@ class Document:
     metadata: str  # JSON object as a string
     file: str
     row: int
+    id_missing: bool = False  # the record had no id (input.id_field): doc_id is "<file stem>:<row>"
 
     @property
     def source(self) -> str:
@@ -201,6 +199,9 @@ def plan_shards(cfg: InputConfig) -> dict:
                 duplicates.setdefault(doc_id, first_seen[doc_id])
             else:
                 first_seen[doc_id] = where
+    if not shards:
+        raise InputError(f"{cfg.path}: no records in {', '.join(p.name for p in files)} (empty file(s)); "
+                         "nothing to process")
     return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards], "duplicates": duplicates}
 
 
@@ -314,4 +315,5 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | 
             metadata=json.dumps(metadata, sort_keys=True, default=str, ensure_ascii=False),
             file=spec.file,
             row=row,
+            id_missing=bool(cfg.id_field) and raw_id is None,
         )

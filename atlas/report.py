@@ -1,11 +1,22 @@
-"""Small PNG plots for ``RUN/report/``, written atomically. matplotlib is imported only when plotting."""
+"""``RUN/report/``: small PNG plots (written atomically by the stages) and the self-contained HTML run report.
+
+matplotlib is imported only when plotting. The HTML report (``write_html_report``) reads whatever the run
+holds: every section is optional, so a run stopped after ``chunk`` still gets a report that says what is
+missing. Every string that comes from the run (concept names, chunk text, reject details) is untrusted
+corpus text and is HTML-escaped; images are inlined as data URIs, so the page needs no network and no files.
+"""
 
 from __future__ import annotations
 
+import base64
+import html
 import io
+import json
+import math
+import sys
 from pathlib import Path
 
-from atlas.core.files import atomic_write_bytes
+from atlas.core.files import atomic_write_bytes, stable_hash
 
 
 def _figure():
@@ -18,12 +29,16 @@ def _figure():
     return plt, fig, ax
 
 
-def _save(plt, fig, path: Path) -> None:
+def _png(plt, fig) -> bytes:
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()
+
+
+def _save(plt, fig, path: Path) -> None:
+    atomic_write_bytes(path, _png(plt, fig))
 
 
 def histogram(values, path: Path, title: str, xlabel: str, bins=20, log_y: bool = False) -> None:
@@ -67,3 +82,320 @@ def scatter(points, sizes, labels: dict[int, str], path: Path, title: str) -> No
     ax.set(title=title, xticks=[], yticks=[])
     ax.title.set_fontsize(10)
     _save(plt, fig, path)
+
+
+def curves(x, series: dict[str, list], title: str, xlabel: str) -> bytes:
+    """Several series on one axis (a loss curve), as PNG bytes."""
+    plt, fig, ax = _figure()
+    for name, values in series.items():
+        ax.plot(x, values, marker="o", label=name)
+    ax.set(title=title, xlabel=xlabel)
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=8)
+    return _png(plt, fig)
+
+
+# --- the HTML run report ----------------------------------------------------------------------------
+
+# Which stage writes each plot (a plot is shown only while that stage is recorded: --force clears a
+# stage's outputs but not RUN/report/, so an older plot would otherwise pass for a current one) and the
+# report section it belongs to. More specific prefixes come first.
+_PLOTS = (("k_sweep", "cluster", "library"), ("coherence_", "coherence", "library"),
+          ("concept_sizes", "library", "library"), ("concept_map", "library", "library"),
+          ("tag_relevance", "tag", "judge"), ("concept_relevance", "library", "judge"),
+          ("annotator_", "train_annotator", "annotator"))
+
+# The counters that read as a stage's rows in and out; other stages fall back to "*_in" / "*_out".
+_IO = {"chunk": ("docs_in", "chunks_out"), "tag": ("chunks_in", "chunks_tagged"), "vocab": ("tags_in", "unique_tags"),
+       "cluster": ("tags_in", "clusters_non_empty"), "coherence": ("clusters_in", "clusters_kept"),
+       "label": ("clusters_in", "concepts_out"), "library": ("concepts_labeled", "concepts_out"),
+       "targets": ("chunks_tagged", "chunks_with_concepts"), "train_annotator": ("chunks", "train"),
+       "annotate": ("chunks", "chunks"), "tokenize": ("chunks", "stream_tokens"), "index": ("vectors", "vectors")}
+
+_CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; color: #222; max-width: 1240px; margin: 0 auto; padding: 16px 24px; }
+h1 { margin-bottom: 4px; } h2 { border-bottom: 2px solid #4c72b0; padding-bottom: 3px; margin-top: 32px; }
+nav a { margin-right: 14px; } .meta, .missing, figcaption { color: #666; } .missing { font-style: italic; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13px; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f0f3f8; } tr:nth-child(even) td { background: #fafafa; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+td { max-width: 420px; overflow-wrap: break-word; } small { color: #777; }
+.done { color: #2a7d2a; font-weight: 600; } .failed { color: #c0392b; font-weight: 600; }
+.running, .planned { color: #b7791f; font-weight: 600; } .not-run { color: #999; }
+.figs { display: grid; grid-template-columns: repeat(auto-fill, minmax(480px, 1fr)); gap: 16px; }
+figure { margin: 0; } figure img { width: 100%; border: 1px solid #eee; } figure.wide { grid-column: 1 / -1; }
+figure.wide img { max-width: 820px; } details summary { cursor: pointer; color: #4c72b0; }
+.cards { display: flex; flex-wrap: wrap; gap: 0 24px; align-items: flex-start; }
+"""
+
+
+class _Html(str):
+    """Markup built here: passed through, where every other value is escaped."""
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def _cell(value, limit: int = 240) -> str:
+    if isinstance(value, _Html):
+        return f"<td>{value}</td>"
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    text = _fmt(value)
+    text = text if len(text) <= limit else text[:limit] + " [...]"
+    return f"<td class=\"num\">{html.escape(text)}</td>" if numeric else f"<td>{html.escape(text)}</td>"
+
+
+def _table(header: list[str] | None, rows: list[list]) -> _Html:
+    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
+    return _Html(f"<table>{head}{body}</table>")
+
+
+def _flat(d: dict, prefix: str = "", skip: tuple = ()) -> dict:
+    """Scalars of a nested dict, keys joined with '.'; lists and the keys in ``skip`` are left out."""
+    out = {}
+    for k, v in d.items():
+        if k in skip or isinstance(v, list):
+            continue
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}.", skip))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _kv(d: dict, skip: tuple = ()) -> _Html:
+    return _table(None, [[k, v] for k, v in _flat(d, skip=skip).items()])
+
+
+def _missing(stage: str, status: str | None) -> str:
+    state = f"has status {html.escape(status)}" if status else "has not run yet"
+    return f'<p class="missing">Not available: stage <b>{html.escape(stage)}</b> {state}.</p>'
+
+
+def _img(data: bytes, caption: str, wide: bool = False) -> str:
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    return (f'<figure{" class=wide" if wide else ""}><img src="{uri}" alt="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def _read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _summary(run, manifest: dict, stage_names: list[str]) -> str:
+    recorded = manifest.get("stages", {})
+    not_run = [s for s in stage_names if recorded.get(s, {}).get("status") != "done"]
+    packages = ", ".join(f"{k} {v}" for k, v in manifest.get("packages", {}).items() if v != "not installed")
+    rows = [["run directory", str(run.root.resolve())], ["config hash", stable_hash(manifest.get("config", {}))[:12]],
+            ["manifest updated", manifest.get("updated", "?")], ["packages", packages],
+            ["stages not done", ", ".join(not_run) or "none: every stage is done"]]
+    return _table(None, rows)
+
+
+def _stage_rows(run, recorded: dict, stage_names: list[str]) -> str:
+    from atlas.stages import STAGES
+
+    rows = []
+    for name in stage_names:
+        info = recorded.get(name)
+        if not info:
+            rows.append([name, _Html('<span class="not-run">not run</span>'), "", "", "", "", "", "", ""])
+            continue
+        counters, n, status = info.get("counters", {}), info.get("num_shards", 0), info.get("status", "?")
+        output = STAGES[name].output if name in STAGES else info.get("output", name)
+        done = n if status == "done" else sum(run.is_shard_done(output, i, info.get("hash")) for i in range(n))
+        key_in, key_out = _IO.get(name) or (next((k for k in counters if k.endswith("_in")), None),
+                                           next((k for k in counters if k.endswith("_out")), None))
+        rows_in, rows_out = (_Html(f"{_fmt(counters[k])} <small>{html.escape(k)}</small>") if k in counters else ""
+                             for k in (key_in, key_out))
+        drops = sum(v for k, v in counters.items() if k.startswith("dropped."))
+        failed = f" (shards {info['failed_shards']})" if info.get("failed_shards") else ""
+        details = _Html(f"<details><summary>{len(counters)}</summary>{_kv(counters)}</details>") if counters else ""
+        rows.append([name, _Html(f'<span class="{html.escape(status)}">{html.escape(status + failed)}</span>'),
+                     f"{done}/{n}", rows_in, rows_out, drops, info.get("wall_seconds", ""),
+                     info.get("shard_seconds", ""), details])
+    return _table(["stage", "status", "shards", "in", "out", "dropped", "wall s", "shard s", "counters"], rows)
+
+
+def _drops(run, recorded: dict, stage_names: list[str]) -> str:
+    """Per stage: the drop counters, and the first few rejects with their reason (each column cut short)."""
+    import pyarrow.parquet as pq
+
+    from atlas.stages import STAGES
+
+    parts = []
+    for name, info in ((n, recorded[n]) for n in stage_names if n in recorded):
+        reasons = {k[len("dropped."):]: v for k, v in info.get("counters", {}).items() if k.startswith("dropped.")}
+        output = STAGES[name].output if name in STAGES else info.get("output", name)
+        files = sorted((run.output_dir(output) / "_rejects").glob("part-*.parquet"))
+        if not (any(reasons.values()) or files or info.get("failed_shards")):
+            continue
+        parts.append(f"<h3>{html.escape(name)}</h3>")
+        if reasons:
+            parts.append(_table(["reason", "dropped"], sorted(reasons.items(), key=lambda kv: -kv[1])))
+        if info.get("failed_shards"):
+            parts.append(f"<p class=failed>failed shards: {html.escape(str(info['failed_shards']))}</p>")
+        if files:
+            first = next(pq.ParquetFile(files[0]).iter_batches(batch_size=3), None)  # not the whole file
+            examples = first.to_pylist() if first is not None else []
+            header = list(examples[0]) if examples else []
+            parts.append(f"<p>examples from {html.escape(files[0].relative_to(run.root).as_posix())} "
+                         f"({len(files)} reject file(s)):</p>")
+            parts.append(_table(header, [[str(r[k]) for k in header] for r in examples]))
+    return "".join(parts) or "<p>Nothing was dropped.</p>"
+
+
+def _plot_kind(path: Path) -> tuple[int, str | None, str]:
+    """(position in pipeline order, the stage that writes it, its section); unknown plots come last."""
+    for i, (prefix, stage, section) in enumerate(_PLOTS):
+        if path.name.startswith(prefix):
+            return i, stage, section
+    return len(_PLOTS), None, "other"
+
+
+def _plots(run, recorded: dict, section: str) -> str:
+    figures = []
+    for path in sorted((run.root / "report").glob("*.png"), key=lambda p: (_plot_kind(p)[0], p.name)):
+        _, stage, sec = _plot_kind(path)
+        if sec == section and (stage is None or recorded.get(stage, {}).get("status") == "done"):
+            figures.append(_img(path.read_bytes(), path.name, wide=path.name.startswith("concept_map")))
+    return f'<div class="figs">{"".join(figures)}</div>' if figures else ""
+
+
+def _concepts(run, top: int = 20) -> str:
+    """The most used concepts (by chunk count), with the evidence a reader needs to judge them."""
+    import pyarrow.parquet as pq
+
+    columns = ["concept_id", "domain", "name", "description", "chunk_count", "evidence_tags", "lifted_words"]
+    rows = pq.read_table(run.root / "library" / "concepts.parquet", columns=columns).to_pylist()
+    per_domain: dict[str, int] = {}
+    for r in rows:
+        per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + 1
+    count = lambda r: 0 if r["chunk_count"] is None or math.isnan(r["chunk_count"]) else r["chunk_count"]  # noqa: E731
+    shown = sorted(rows, key=count, reverse=True)[:top]
+    table = _table(["id", "name", "domain", "chunks", "description", "evidence tags", "lifted words"],
+                   [[r["concept_id"], r["name"], r["domain"], int(count(r)), r["description"],
+                     ", ".join((r["evidence_tags"] or [])[:8]), ", ".join((r["lifted_words"] or [])[:10])]
+                    for r in shown])
+    totals = ", ".join(f"{k} {v}" for k, v in per_domain.items())
+    return f"<p>{len(rows)} concepts ({html.escape(totals)}); the {len(shown)} most used:</p>{table}"
+
+
+def _annotator(run) -> str:
+    metrics = _read_json(run.root / "annotator" / "metrics.json")
+    ks = ("1", "5", "10", "20")
+    scored = [(f"annotator: {name}", m) for name, m in metrics.get("domains", {}).items()]
+    scored += [(f"baseline: {name}", m) for name, m in metrics.get("baselines", {}).items()]
+    rows = [[name, m.get("labels"), m.get("positives"), *[m.get("recall_at", {}).get(k) for k in ks], m.get("pr_auc"),
+             m.get("reliability", {}).get("ece")] for name, m in scored]
+    retrieval = _table(["held-out", "labels", "positives", *[f"recall@{k}" for k in ks], "PR-AUC", "ECE"], rows)
+    domains = metrics.get("domains", {})
+    rules = _table(["domain", "threshold", "cap", "criterion", "recall", "precision ≥", "F1 ≥", "labels / chunk"],
+                   [[d, r.get("threshold"), r.get("cap"), r.get("criterion"), domains.get(d, {}).get("recall"),
+                     domains.get(d, {}).get("precision_lower_bound"), domains.get(d, {}).get("f1_lower_bound"),
+                     domains.get(d, {}).get("mean_predicted_per_chunk")] for d, r in metrics.get("rules", {}).items()])
+    about = {k: metrics.get(k) for k in ("encoder", "mode", "device", "train_chunks", "heldout_chunks")}
+    judge = metrics.get("judge") or {}
+    judged = _kv(judge, skip=("score_counts",)) if judge else ""
+    return (f"{_kv(about)}<h3>Held-out retrieval vs baselines</h3>{retrieval}<h3>Decision rule</h3>"
+            f"<p>a label is given when its calibrated probability passes the threshold, at most cap per chunk "
+            f"(precision and F1 are lower bounds: unlabelled positives count as errors).</p>{rules}"
+            f"{'<h3>Relevance judge of the predictions</h3>' + judged if judged else ''}")
+
+
+def _evaluations(run) -> str:
+    """The summaries `atlas judge` and `atlas eval` leave in RUN/report/*.json."""
+    # score_counts are the histograms above; library_eval's relevance is concept_relevance.json; the
+    # annotator's relevance is in its own section (metrics.json holds the same numbers).
+    parts = [f"<div><h3>{html.escape(p.name)}</h3>{_kv(_read_json(p), skip=('score_counts', 'relevance'))}</div>"
+             for p in sorted((run.root / "report").glob("*.json")) if p.name != "annotator_relevance.json"]
+    if not parts:
+        return '<p class="missing">No evaluations yet (`atlas judge RUN`, `atlas eval library RUN`).</p>'
+    return f'<div class="cards">{"".join(parts)}</div>'
+
+
+def _index(run) -> str:
+    info = _read_json(run.root / "index" / "_index.json")
+    recall = info.get("recall_at_10")
+    head = f"<p>recall@10 against exact search: <b>{html.escape(_fmt(recall))}</b></p>" if recall is not None else ""
+    return head + _kv(info)
+
+
+def _cblm(run) -> str:
+    """The trained models side by side (final metrics, one column each), then their loss curves (log.jsonl)."""
+    models, figures = {}, []
+    for folder in sorted(p for p in (run.root / "cblm").glob("*") if p.is_dir()):
+        metrics, log = _read_json(folder / "metrics.json"), folder / "log.jsonl"
+        if metrics is None and not log.exists():
+            continue
+        models[folder.name] = _flat(metrics or {"status": "no metrics.json yet (still training?)"})
+        entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        if len(entries) > 1:  # one point is no curve; the table has its numbers
+            series = {"train lm": [e.get("train", {}).get("lm") for e in entries],
+                      "val loss": [e.get("val", {}).get("val_loss") for e in entries]}
+            png = curves([e.get("step") for e in entries], series, f"{folder.name}: loss", "step")
+            figures.append(_img(png, f"{folder.name}: loss (log.jsonl)"))
+    if not models:
+        return '<p class="missing">No concept-bottleneck LM trained yet (`atlas cblm train RUN`).</p>'
+    keys = list(dict.fromkeys(k for m in models.values() for k in m))
+    table = _table(["metric", *models], [[k, *(m.get(k, "") for m in models.values())] for k in keys])
+    return f'{table}<div class="figs">{"".join(figures)}</div>'
+
+
+def write_html_report(run_root) -> Path:
+    """(Re)write ``RUN/report/index.html`` from whatever the run holds; returns its path."""
+    from atlas.core.rundir import RunDir
+    from atlas.stages import STAGES
+
+    run = RunDir(run_root)
+    manifest = run.read_manifest()
+    if not manifest:
+        raise FileNotFoundError(f"{run.root}: not an Atlas run directory (no manifest.json)")
+    recorded = manifest.get("stages", {})
+    names = [*STAGES, *(s for s in recorded if s not in STAGES)]
+
+    def done(stage: str, section) -> str:
+        """A section that reads a stage's outputs, or why it is not there (a stage --force is redoing, say)."""
+        status = recorded.get(stage, {}).get("status")
+        return section(run) if status == "done" else _missing(stage, status)
+
+    sections = [
+        ("summary", "Run", _summary(run, manifest, names)),
+        ("stages", "Stages", _stage_rows(run, recorded, names)),
+        ("drops", "Drops and rejects", _drops(run, recorded, names)),
+        ("library", "Concept library", _plots(run, recorded, "library") + done("library", _concepts)),
+        ("annotator", "Concept annotator", done("train_annotator", _annotator) + _plots(run, recorded, "annotator")),
+        ("judge", "Relevance judge and evaluations", _plots(run, recorded, "judge") + _evaluations(run)),
+        ("index", "Search index", done("index", _index)),
+        ("cblm", "Concept-bottleneck LM", _cblm(run)),
+    ]
+    other = _plots(run, recorded, "other")
+    if other:
+        sections.append(("other", "Other plots", other))
+    title = f"Atlas run report: {manifest.get('name', run.root.name)}"
+    nav = "".join(f'<a href="#{key}">{html.escape(head)}</a>' for key, head, _ in sections)
+    body = "".join(f'<section id="{key}"><h2>{html.escape(head)}</h2>{body}</section>' for key, head, body in sections)
+    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+            f'<p class="meta">updated {html.escape(str(manifest.get("updated", "?")))}</p><nav>{nav}</nav>{body}'
+            "</body></html>\n")
+    path = run.root / "report" / "index.html"
+    atomic_write_bytes(path, page.encode())
+    return path
+
+
+def refresh_report(run_root) -> None:
+    """Rewrite the report after a run or a training; a failure only warns, it never fails the run."""
+    try:
+        print(f"report: {write_html_report(run_root)}")
+    except Exception as e:  # noqa: BLE001 - the report is a convenience, the run's outputs are what matter
+        print(f"warning: could not write the run report: {type(e).__name__}: {e}", file=sys.stderr)

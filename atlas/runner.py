@@ -16,12 +16,14 @@ A killed run resumes at step 3 with the unfinished shards; finished shards are n
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from atlas.config import AtlasConfig, config_from_dict
+from atlas.config import AtlasConfig, ConfigError, config_from_dict
 from atlas.core.files import atomic_write_json, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
@@ -70,6 +72,13 @@ def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) ->
     return stats.to_dict()
 
 
+def release_stage(stage_name: str) -> None:
+    """Tear down this process's cached instances of a finished stage (its model, its GPU memory)."""
+    with _WORKER_LOCK:
+        for key in [k for k in _WORKER_STAGES if k[0] == stage_name]:
+            _WORKER_STAGES.pop(key).teardown()
+
+
 MapShards = Callable[[dict, str, Sequence[int], str], list[BaseException | None]]
 
 
@@ -107,7 +116,7 @@ def pipeline_order(names: Sequence[str] | None) -> list[str]:
         return list(STAGES)
     unknown = [n for n in names if n not in STAGES]
     if unknown:
-        raise ValueError(f"unknown stage(s) {unknown}; stages are: {', '.join(STAGES)}")
+        raise ConfigError(f"unknown stage(s) {unknown}; stages are: {', '.join(STAGES)}")
     return [n for n in STAGES if n in names]
 
 
@@ -118,13 +127,18 @@ def run_stages(
     map_shards: MapShards = map_inline,
     plan_only: bool = False,
     log: Callable[[str], None] = print,
+    on_stage: Callable[[RunDir, str], None] = lambda run, name: None,
 ) -> list[StageReport]:
+    """Run ``stages`` (default: all) in pipeline order; ``on_stage`` is called after each one ends."""
     run = RunDir(config.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     config_dict = config.model_dump()
     manifest = run.read_manifest()
     if not manifest:
-        run.write_manifest({"name": config.name, "config": config_dict, "stages": {}})
+        manifest = {"name": config.name, "config": config_dict, "stages": {}}
+    if not plan_only:  # lets `atlas status` tell a running run from a killed one
+        manifest["driver"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    run.write_manifest(manifest)
     hashes: dict[str, str] = {name: info["hash"] for name, info in manifest.get("stages", {}).items()}
     reports = []
     selected = pipeline_order(stages)
@@ -165,9 +179,12 @@ def run_stages(
             continue
 
         started = time.time()
+        manifest = run.read_manifest()
+        if manifest.get("config") != config_dict:  # `atlas stage` (SLURM tasks) runs with the manifest's config
+            run.write_manifest(dict(manifest, config=config_dict))
         report.num_shards = stage.plan(run, stage_hash)
         run.update_stage(name, hash=stage_hash, identity=identity, num_shards=report.num_shards,
-                         status="planned" if plan_only else "running", output=stage.output)
+                         status="planned" if plan_only else "running", output=stage.output, failed_shards=[], errors={})
         if plan_only:
             log(f"{name}: planned {report.num_shards} shard(s) in {run.output_dir(stage.output)}")
             continue
@@ -177,11 +194,16 @@ def run_stages(
         pending = [i for i in range(report.num_shards) if not run.is_shard_done(stage.output, i, stage_hash)]
         done_before = report.num_shards - len(pending)
         log(f"{name}: {len(pending)} shard(s) to run" + (f", {done_before} already done" if done_before else ""))
-        errors = map_shards(config_dict, name, pending, stage_hash) if pending else []
+        try:
+            errors = map_shards(config_dict, name, pending, stage_hash) if pending else []
+        finally:
+            release_stage(name)
         report.ran = [s for s, e in zip(pending, errors) if e is None]
         failed = [(s, e) for s, e in zip(pending, errors) if e is not None]
         if failed:
-            run.update_stage(name, status="failed", failed_shards=[s for s, _ in failed])
+            run.update_stage(name, status="failed", failed_shards=[s for s, _ in failed],
+                             errors={str(s): f"{type(e).__name__}: {e}"[:500] for s, e in failed})
+            on_stage(run, name)
             detail = "\n".join(f"  shard {s:05d}: {type(e).__name__}: {e}" for s, e in failed[:10])
             raise StageFailed(
                 f"{name}: {len(failed)} of {report.num_shards} shard(s) failed (finished shards are kept; "
@@ -199,6 +221,7 @@ def run_stages(
         report.counters, report.seconds = stats.to_dict(), seconds
         run.update_stage(name, status="done", counters=report.counters, shard_seconds=round(seconds, 3),
                          wall_seconds=round(time.time() - started, 3))
+        on_stage(run, name)
         log(f"{name}: done, {_summary(report.counters)} -> {run.output_dir(stage.output)}")
     return reports
 

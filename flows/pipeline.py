@@ -21,16 +21,20 @@ the entrypoint of the deployments in ``prefect.yaml``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Sequence
 
 from prefect import flow, task, unmapped
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import as_completed
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from atlas.config import AtlasConfig, ConfigError, ExecutionConfig, config_from_dict, load_config
+from atlas.core.rundir import RunDir
 from atlas.runner import StageReport, run_one_shard, run_stages
+from atlas.status import status_rows
 
 
 @task(name="shard", task_run_name="{stage_name}-{shard:05d}")
@@ -81,9 +85,24 @@ def map_with_prefect(config: dict, stage_name: str, shards: Sequence[int], stage
     return errors
 
 
+def publish_status(run: RunDir, stage_name: str) -> None:
+    """After each stage: the run's status table (what `atlas status` prints) as a Prefect artifact, and
+    the stage's counters and drops as one of its own, so the Prefect UI shows what the CLI shows."""
+    rows = status_rows(run)
+    flat = [{k: v if isinstance(v, (str, int, float, type(None))) else json.dumps(v) for k, v in row.items()}
+            for row in rows]
+    create_table_artifact(flat, key="atlas-status", description=f"Atlas run {run.root}: status per stage")
+    row = next(r for r in rows if r["stage"] == stage_name)
+    lines = [f"### {stage_name}: {row['state']}, shards {row['shards']}", "", "| counter | value |", "|---|---:|"]
+    lines += [f"| {k} | {v:,} |" for k, v in row["counters"].items()]
+    lines += [f"| FAILED shard {s} | {e} |" for s, e in row["failed"].items()]
+    create_markdown_artifact("\n".join(lines), key=f"atlas-{stage_name.replace('_', '-')}",
+                             description=f"Atlas stage {stage_name}")
+
+
 @flow(name="atlas-pipeline", log_prints=True)
 def atlas_pipeline(config: dict, stages: list[str] | None = None, force: bool = False) -> list[dict]:
-    reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect)
+    reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect, on_stage=publish_status)
     return [r.__dict__ for r in reports]
 
 

@@ -42,6 +42,27 @@ def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger
     assert report.num_shards == 72 and len(report.ran) == 72
     assert outputs(tmp_path / "run") == reference_outputs
 
+    # What the Prefect UI shows: one completed task run per shard, and `atlas status` as artifacts.
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    async def read_back():
+        async with get_client() as client:
+            latest = await client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=72)
+            # POSTed by hand: this Prefect's client sends null filters that its own server rejects
+            body = {"artifacts": {"key": {"any_": ["atlas-status", "atlas-chunk"]}}, "sort": "CREATED_DESC", "limit": 50}
+            response = await client._client.post("/artifacts/filter", json=body)
+            return latest, response.json()
+    latest, artifacts = asyncio.run(read_back())
+    names = {t.name: t.state_name for t in latest}
+    assert {f"chunk-{i:05d}" for i in range(72)} == set(names) and set(names.values()) == {"Completed"}
+    table = next(a for a in artifacts if a["key"] == "atlas-status" and str(tmp_path) in a["description"])
+    chunk_row = next(row for row in json.loads(table["data"]) if row["stage"] == "chunk")
+    assert chunk_row["state"] == "done" and chunk_row["shards"] == "72/72"
+    assert any(a["key"] == "atlas-chunk" and "docs_in" in a["data"] for a in artifacts)
+
 
 def test_sigkill_during_chunking_then_rerun_gives_identical_outputs(tmp_path, larger_input, reference_outputs):
     config_path = write_config(tmp_path, larger_input, input={"docs_per_shard": 20},

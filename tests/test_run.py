@@ -147,8 +147,13 @@ def test_a_failed_shard_keeps_the_finished_ones_and_the_rerun_does_only_it(tmp_p
     run = RunDir(tmp_path / "run")
     assert [run.is_shard_done("chunks", i, run.read_manifest()["stages"]["chunk"]["hash"]) for i in range(6)] == [
         True, True, True, False, True, True]
-    path.write_bytes(original)  # repaired: same fingerprint, so the same stage; only shard 3 runs
     capsys.readouterr()
+    assert main(["status", str(tmp_path / "run")]) == 0
+    status = capsys.readouterr().out
+    assert "chunk            failed" in status and "5/6" in status
+    assert "FAILED shard 00003:" in status and "big.parquet: row group 3" in status
+    assert "tag              not started" in status
+    path.write_bytes(original)  # repaired: same fingerprint, so the same stage; only shard 3 runs
     assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     assert "1 shard(s) to run, 5 already done" in capsys.readouterr().out
 

@@ -46,6 +46,7 @@ def find_concept(names: list[str], query: str) -> int:
 
 def cmd_train(args) -> int:
     from atlas.cblm.train import TrainConfig, train
+    from atlas.report import refresh_report
 
     overrides = list(args.set or [])
     if args.baseline:
@@ -55,6 +56,7 @@ def cmd_train(args) -> int:
     metrics = train(config)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}, indent=2))
     print(f"model and metrics in {Path(args.run_dir) / 'cblm' / name}")
+    refresh_report(args.run_dir)  # the run report gains this model's metrics and loss curve
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -106,6 +107,9 @@ class TrainConfig:
             else:
                 parsed = {"int": int, "float": float}.get(kind, str)(value)
             setattr(config, key, parsed)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", config.name) or ".." in config.name:
+            # the name is a folder under RUN/cblm/: "../x" or "/x" must not write outside the run
+            raise ValueError(f"name={config.name!r}: use letters, digits, '_', '-' and '.' only (it names RUN/cblm/<name>)")
         return config
 
 

@@ -2,6 +2,9 @@
 
 A crash leaves either the previous file or the new one, never half a file. Every artifact Atlas
 writes (Parquet parts, JSON markers, manifests) goes through these helpers.
+
+The readers at the end (``read_json``, ``open_parquet``, ``read_parquet``, ``read_parts``) check what they read
+back: a damaged, truncated or foreign file, or a missing column, is an ``ArtifactError`` that names the file.
 """
 
 from __future__ import annotations
@@ -16,6 +19,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+class InputError(ValueError):
+    """A file that cannot be used at all: an input file, or an artifact of the run directory that is missing,
+    damaged or inconsistent. The message names the file, and the column, row or field where that applies."""
+
+
+class ArtifactError(InputError):
+    """A file in the run directory (a part, a marker, a model, an array) that is missing, damaged or does not
+    match the files it goes with. Nothing is changed or deleted when this is raised: fix or restore the file, or
+    recompute the stage that writes it."""
+
+
 def _tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
@@ -24,19 +38,34 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or a kill: the previous file stays, the half-written one goes
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
-def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text())
+def read_json(path: str | Path, expect_object: bool = True) -> Any:
+    """A JSON file Atlas wrote (a marker, a manifest, a plan); damage is an ArtifactError that names the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        problem = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ArtifactError(f"{path}: not valid JSON ({problem}{where}); the file is damaged or was cut short "
+                            "(an interrupted copy?)") from None
+    if expect_object and not isinstance(data, dict):
+        raise ArtifactError(f"{path}: expected a JSON object, found {type(data).__name__}; the file is damaged")
+    return data
 
 
 def atomic_write_parquet(path: str | Path, table: pa.Table) -> None:
@@ -44,10 +73,14 @@ def atomic_write_parquet(path: str | Path, table: pa.Table) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
-    pq.write_table(table, tmp, compression="zstd", row_group_size=64_000)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp, compression="zstd", row_group_size=64_000)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_npy(path: str | Path, array) -> None:
@@ -85,3 +118,64 @@ def file_fingerprint(path: str | Path, sample: int = 1 << 20) -> dict:
             f.seek(max(sample, size - sample))
             h.update(f.read(sample))
     return {"path": str(path), "size": size, "sha256_head_tail": h.hexdigest()}
+
+
+# --- reading Parquet artifacts ---------------------------------------------------------------------
+
+
+def _column_problems(schema: pa.Schema, required) -> str | None:
+    """What is wrong with ``schema`` for a reader that needs ``required`` (names, or a schema: names and types)."""
+    names = schema.names
+    wanted = list(required.names if isinstance(required, pa.Schema) else required)
+    if missing := [c for c in wanted if c not in names]:
+        return f"missing column(s) {missing}; the file has {names}"
+    if isinstance(required, pa.Schema):
+        for expected in required:
+            actual = schema.field(expected.name).type
+            if not actual.equals(expected.type):
+                return f"column {expected.name!r} is {actual}, expected {expected.type}"
+    return None
+
+
+def open_parquet(path: str | Path, required=(), hint: str = "") -> pq.ParquetFile:
+    """A Parquet artifact opened for reading, with its columns checked.
+
+    ``required``: the column names the reader needs, or a schema whose columns must be there with the same types.
+    A missing, truncated or foreign file, or a missing or mistyped column, is an ArtifactError that names the
+    file (pyarrow's own messages often do not), followed by ``hint`` (what to rerun).
+    """
+    path = Path(path)
+    tail = f"; {hint}" if hint else ""
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing{tail}")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path}: not a readable Parquet file ({e}): truncated, damaged or not Parquet{tail}") \
+            from None
+    if problem := _column_problems(pf.schema_arrow, required):
+        pf.close()
+        raise ArtifactError(f"{path}: {problem}{tail}")
+    return pf
+
+
+def read_parquet(path: str | Path, columns: list[str] | None = None, required=(), hint: str = "") -> pa.Table:
+    """``columns`` of a Parquet artifact (all when None), checked as :func:`open_parquet` does (``required``
+    defaults to ``columns``). Damage found only while decoding (a cut row group) is an ArtifactError as well."""
+    pf = open_parquet(path, required or (columns or ()), hint)
+    try:
+        with pf:
+            return pf.read(columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path}: cannot be decoded ({e}): truncated or damaged" + (f"; {hint}" if hint else "")) \
+            from None
+
+
+def read_parts(folder: str | Path, columns: list[str] | None = None, required=(), hint: str = "") -> pa.Table:
+    """Every ``part-*.parquet`` of a stage folder as one table (in shard order), each part checked as
+    :func:`read_parquet` does: unlike ``pq.read_table(folder)``, a part with another schema is an error that names
+    it, never a column of nulls."""
+    parts = sorted(Path(folder).glob("part-*.parquet"))
+    if not parts:
+        raise ArtifactError(f"{folder}: no part-*.parquet files" + (f"; {hint}" if hint else ""))
+    return pa.concat_tables([read_parquet(p, columns, required, hint) for p in parts])

@@ -49,13 +49,17 @@ class RunDir:
         return self.root / "manifest.json"
 
     def output_dir(self, output: str) -> Path:
-        return self.root / output
+        path = self.root / output
+        # Every write and every --force clear goes through here: a name like "../x" must not reach outside.
+        if not path.resolve().is_relative_to(self.root.resolve()):
+            raise ValueError(f"{output!r}: outputs must stay inside the run directory {self.root}")
+        return path
 
     def part_path(self, output: str, shard: int) -> Path:
-        return self.root / output / f"part-{shard:05d}.parquet"
+        return self.output_dir(output) / f"part-{shard:05d}.parquet"
 
     def rejects_path(self, output: str, shard: int) -> Path:
-        return self.root / output / "_rejects" / f"part-{shard:05d}.parquet"
+        return self.output_dir(output) / "_rejects" / f"part-{shard:05d}.parquet"
 
     def write_rejects(self, output: str, shard: int, rows: list[dict], schema) -> None:
         """Write a shard's rejects, or remove a file left by an earlier attempt when there are none."""
@@ -66,13 +70,13 @@ class RunDir:
             path.unlink()
 
     def marker_path(self, output: str, shard: int) -> Path:
-        return self.root / output / "_shards" / f"{shard:05d}.json"
+        return self.output_dir(output) / "_shards" / f"{shard:05d}.json"
 
     def stats_path(self, output: str) -> Path:
-        return self.root / output / "_stats.json"
+        return self.output_dir(output) / "_stats.json"
 
     def success_path(self, output: str) -> Path:
-        return self.root / output / "_SUCCESS"
+        return self.output_dir(output) / "_SUCCESS"
 
     # --- completion markers -------------------------------------------------------------------
     def shard_marker(self, output: str, shard: int) -> dict | None:

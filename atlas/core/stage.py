@@ -44,6 +44,9 @@ class Stage:
     def setup(self) -> None:
         """Load expensive state. Called once per worker process before its first shard."""
 
+    def teardown(self) -> None:
+        """Free what ``setup`` loaded (a vLLM model holds its GPU memory until closed). Called after the stage."""
+
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         """Process one shard: write its part (atomically) and return its counters."""
         raise NotImplementedError

@@ -17,13 +17,11 @@ is row i of the embeddings. Chunks are read, encoded and written in blocks of
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_json
+from atlas.core.files import atomic_write_json, open_parquet, read_json
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -31,6 +29,7 @@ from atlas.embeddings import ID_ARRAYS, create_store, finish, write_rows
 
 ANNOTATE_VERSION = 1
 STORE = "embeddings.zarr"
+CHUNK_COLUMNS = ("chunk_text", *ID_ARRAYS)  # what a chunk part must hold for this stage (all of it is copied)
 
 
 def annotated_schema(chunk_schema: pa.Schema, domains: list[str]) -> pa.Schema:
@@ -57,32 +56,45 @@ class AnnotateStage(Stage):
         n_shards = run.read_manifest()["stages"]["chunk"]["num_shards"]
         if not (run.success_path("chunks").exists() and (run.output_dir("annotator") / "config.json").exists()):
             return n_shards  # planned ahead (atlas plan, or before the flow starts): the store comes later
-        parts = [run.part_path("chunks", shard) for shard in range(n_shards)]
-        counts = [pq.ParquetFile(p).metadata.num_rows for p in parts]
+        spec = self._checked_annotator(run).spec  # before anything is written: a bad input stops here, once
+        counts = []
+        for shard in range(n_shards):
+            with open_parquet(run.part_path("chunks", shard), CHUNK_COLUMNS) as part:
+                counts.append(part.metadata.num_rows)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
         plan_path = run.output_dir(self.output) / "_plan.json"
         plan = {"stage_hash": stage_hash, "shard_rows": counts, "shard_offsets": offsets[:-1], "n_rows": offsets[-1]}
         store = run.root / STORE
-        existing = json.loads(plan_path.read_text()) if plan_path.exists() else None
+        existing = read_json(plan_path) if plan_path.exists() else None
         if existing != plan or not (store / "zarr.json").exists():
-            spec = json.loads((run.output_dir("annotator") / "config.json").read_text())
-            create_store(store, offsets[-1], spec["dim"], self.config.annotate.zarr_chunk_rows,
-                         {"stage_hash": stage_hash, "encoder": spec["encoder"], "shard_offsets": offsets[:-1]})
+            create_store(store, offsets[-1], spec.dim, self.config.annotate.zarr_chunk_rows,
+                         {"stage_hash": stage_hash, "encoder": spec.encoder, "shard_offsets": offsets[:-1]})
             for marker in run.output_dir(self.output).glob("_shards/*.json"):  # a new store: redo every shard
                 marker.unlink()
             atomic_write_json(plan_path, plan)
-        return len(parts)
+        return n_shards
+
+    def _checked_annotator(self, run: RunDir):
+        """The trained annotator, checked against the library it labels with: the same concept counts, and the
+        very file it was trained on (cheap: the weights are checked, the encoder is not loaded)."""
+        from atlas.annotator import Annotator
+        from atlas.stages.library import load_library
+
+        annotator = Annotator(run.output_dir("annotator"), device=self.config.annotate.device,
+                              batch_size=self.config.annotate.batch_size)
+        concepts, _ = load_library(run)
+        annotator.check_library(concepts)
+        annotator.check_library_file(run.output_dir("library") / "concepts.parquet")
+        annotator.heads = annotator.load_heads()
+        return annotator
 
     def setup(self) -> None:
-        from atlas.annotator import Annotator
-
-        self.annotator = Annotator(RunDir(self.config.run_dir).output_dir("annotator"), device=self.config.annotate.device,
-                                   batch_size=self.config.annotate.batch_size).setup()
+        self.annotator = self._checked_annotator(RunDir(self.config.run_dir)).setup()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        plan = json.loads((run.output_dir(self.output) / "_plan.json").read_text())
+        plan = read_json(run.output_dir(self.output) / "_plan.json")
         start, n = plan["shard_offsets"][shard], plan["shard_rows"][shard]
-        source = pq.ParquetFile(run.part_path("chunks", shard))
+        source = open_parquet(run.part_path("chunks", shard), CHUNK_COLUMNS)
         domains = list(self.annotator.spec.domains)
         schema = annotated_schema(source.schema_arrow, domains)
         target = run.part_path(self.output, shard)
@@ -117,6 +129,6 @@ class AnnotateStage(Stage):
         return pa.table({name: columns[name] for name in schema.names}, schema=schema)
 
     def finalize(self, run: RunDir, stats: Stats) -> None:
-        plan = json.loads((run.output_dir(self.output) / "_plan.json").read_text())
+        plan = read_json(run.output_dir(self.output) / "_plan.json")
         if (run.root / STORE / "_staging").exists():
             stats.inc("embedding_rows_from_staging", finish(run.root / STORE, len(plan["shard_rows"])))

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from atlas.config import ChunkDomain
-from atlas.core.files import atomic_write_json, atomic_write_parquet, file_fingerprint, read_json
+from atlas.core.files import (InputError, atomic_write_json, atomic_write_parquet, file_fingerprint, read_json,
+                              read_parquet)
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -303,6 +303,8 @@ class ChunkStage(Stage):
                 continue
             if item.doc_id != item.source_doc_id:
                 stats.inc("duplicate_ids_renamed")
+            if item.id_missing:  # counted, so that an input.id_field that matches nothing shows in the stats
+                stats.inc("ids_missing")
             spans = self.chunker.split(item.text, self.config.chunk.for_domain(item.domain), stats)
             if not spans:  # every sentence was dropped as too long
                 stats.drop("no_chunks_left")
@@ -314,6 +316,15 @@ class ChunkStage(Stage):
         atomic_write_parquet(run.part_path(self.output, shard), pa.table(rows, schema=CHUNK_SCHEMA))
         run.write_rejects(self.output, shard, [asdict(r) for r in rejects], REJECT_SCHEMA)
         return stats
+
+    def finalize(self, run: RunDir, stats: Stats) -> None:
+        """No chunk at all means the input is unusable as configured: stop here, not stages later."""
+        if stats["chunks_out"] == 0:
+            drops = {k.removeprefix("dropped."): v for k, v in stats.to_dict().items() if k.startswith("dropped.")}
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(drops.items(), key=lambda kv: -kv[1])) or "none"
+            raise InputError(
+                f"{self.config.input.path}: no usable document, every record was rejected ({reasons}); each one "
+                f"is listed with its file, row, field and reason in {run.output_dir(self.output) / '_rejects'}")
 
     @staticmethod
     def _add_rows(rows: dict[str, list], doc: Document, spans: list[Span]) -> None:
@@ -337,7 +348,7 @@ def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",))
     """The given columns of the chunks whose id is in ``wanted``, by chunk id (read part by part)."""
     found = {}
     for part in sorted(run.output_dir(ChunkStage.output).glob("part-*.parquet")):
-        for row in pq.read_table(part, columns=["chunk_id", *columns]).to_pylist():
+        for row in read_parquet(part, ["chunk_id", *columns]).to_pylist():
             if row["chunk_id"] in wanted:
                 found[row["chunk_id"]] = row
     return found

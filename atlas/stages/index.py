@@ -14,9 +14,10 @@ query succeeds when the chunk itself is in the top 10 (the paper: 0.968 at nprob
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
-from atlas.core.files import atomic_write_json, atomic_write_parquet
+from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -24,6 +25,44 @@ from atlas.embeddings import open_embeddings
 
 INDEX_VERSION = 1
 RECALL_QUERIES = 1000
+STORE = "embeddings.zarr"
+REANNOTATE = "recompute it: atlas run CONFIG --force --stages annotate (then tokenize and index follow)"
+
+
+class _CheckedRows:
+    """The zarr embeddings as ``build_ivfpq`` reads them, with damage named: a storage chunk that is missing (zarr
+    would read zeros) is found before the build, one that cannot be decoded when it is read."""
+
+    def __init__(self, array, path):
+        self.array, self.path, self.shape, self.dtype = array, path, array.shape, array.dtype
+        size = array.chunks[0]
+        missing = [f"{key} (rows {i * size}..{min((i + 1) * size, array.shape[0]) - 1})"
+                   for i in range(array.cdata_shape[0])
+                   if not (path / (key := array.metadata.encode_chunk_key((i, 0)))).is_file()]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ArtifactError(f"{path}: storage chunk(s) {', '.join(missing[:5])}{more} missing; {REANNOTATE}")
+
+    def _read(self, read, rows: np.ndarray):
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - codecs raise anything (RuntimeError, ValueError...) on damaged bytes
+            size = self.array.chunks[0]
+            for chunk in np.unique(np.asarray(rows) // size).tolist():  # find the storage chunk that fails
+                try:
+                    self.array[chunk * size : (chunk + 1) * size]
+                except Exception:  # noqa: BLE001
+                    key, last = self.array.metadata.encode_chunk_key((chunk, 0)), (chunk + 1) * size - 1
+                    raise ArtifactError(f"{self.path}: storage chunk {key} (rows {chunk * size}..{last}) cannot be "
+                                        f"decoded ({type(e).__name__}: {e}); {REANNOTATE}") from None
+            raise
+
+    def __getitem__(self, key):
+        rows = np.arange(*key.indices(self.shape[0])) if isinstance(key, slice) else key
+        return self._read(lambda: self.array[key], rows)
+
+    def get_orthogonal_selection(self, selection):
+        return self._read(lambda: self.array.get_orthogonal_selection(selection), selection[0])
 
 
 class IndexStage(Stage):
@@ -40,7 +79,7 @@ class IndexStage(Stage):
 
         c = self.config.index
         store = open_embeddings(run.root)
-        vectors = store["embeddings"]
+        vectors = _CheckedRows(store["embeddings"], run.root / STORE / "embeddings")
         folder = run.output_dir(self.output)
         info = build_ivfpq(vectors, folder, code_bytes=c.code_bytes, nlist=c.nlist, on_disk=c.on_disk, seed=c.seed)
         index = load_index(folder, nprobe=c.nprobe)

@@ -25,14 +25,13 @@ a concept covers, for words seen in at least ``library.lift_min_support`` of the
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas.auxiliary import load_aux_domains
-from atlas.core.files import atomic_write_json, atomic_write_parquet, sha256_bytes
+from atlas.core.files import (ArtifactError, atomic_write_json, atomic_write_parquet, read_json, read_parquet,
+                              sha256_bytes)
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -100,6 +99,7 @@ class LibraryStage(Stage):
         self.embedder = Embedder(self.config.vocab.embedding_model)
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
+        sweep = read_json(run.output_dir("clusters") / "_sweep.json")  # read first: a damaged file stops no work
         labels = pq.read_table(run.part_path("labels", 0)).to_pylist()
         concepts = [{"name": r["name"], "description": r["description"], "count": r["count"], "n_tags": r["n_tags"],
                      "evidence": list(r["evidence_tags"]), "merged_from": [r["cluster_id"]]} for r in labels]
@@ -143,7 +143,6 @@ class LibraryStage(Stage):
         folder = run.output_dir(self.output)
         atomic_write_parquet(folder / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPT_SCHEMA))
         atomic_write_parquet(folder / "tag_to_concept.parquet", pa.table(mapping, schema=TAG_TO_CONCEPT_SCHEMA))
-        sweep = json.loads((run.output_dir("clusters") / "_sweep.json").read_text())
         manifest = run.read_manifest()
         atomic_write_json(folder / "config.json", {
             "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": offsets,
@@ -235,17 +234,35 @@ def load_library(run: RunDir) -> tuple[list[dict], dict]:
     for p in (path, config_path):
         if not p.exists():
             raise FileNotFoundError(f"{p}: no concept library here; run the library stage first")
-    rows = pq.read_table(path).to_pylist()
-    config = json.loads(config_path.read_text())
+    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
+    config = read_json(config_path)
+    # A library of the library stage (it has domains) has every column; a hand-made one needs ids and names.
+    required = CONCEPT_SCHEMA if "domain_offsets" in config else ["concept_id", "name"]
+    rows = read_parquet(path, required=required, hint=rebuild).to_pylist()
     offsets = config.get("domain_offsets", {})
     config["domain_offsets"] = dict(sorted(offsets.items(), key=lambda kv: kv[1]))  # id order: content first
-    if [r["concept_id"] for r in rows] != list(range(len(rows))):
-        raise ValueError(f"{path}: concept_id must be 0..{len(rows) - 1} in order; rebuild the library with --force")
+    for row, concept in enumerate(rows):
+        if concept["concept_id"] != row:
+            seen = [r["concept_id"] for r in rows[:row]]
+            what = "a duplicate" if concept["concept_id"] in seen else f"expected {row}"
+            raise ArtifactError(f"{path}: row {row}: concept_id is {concept['concept_id']} ({what}); concept_id must "
+                                f"be 0..{len(rows) - 1} in order; {rebuild}")
     if config.get("n_concepts") != len(rows):
-        raise ValueError(f"{config_path}: n_concepts is {config.get('n_concepts')} but {path} has {len(rows)} rows")
+        raise ArtifactError(f"{config_path}: n_concepts is {config.get('n_concepts')} but {path} has {len(rows)} rows")
     for domain, offset in config.get("domain_offsets", {}).items():
         size = config.get("domain_sizes", {}).get(domain, 0)
         if any(r["domain"] != domain for r in rows[offset : offset + size]):
-            raise ValueError(f"{config_path}: domain {domain!r} (offset {offset}, size {size}) does not match the "
-                             f"'domain' column of {path}")
+            raise ArtifactError(f"{config_path}: domain {domain!r} (offset {offset}, size {size}) does not match the "
+                                f"'domain' column of {path}")
     return rows, config
+
+
+def check_tag_to_concept(run: RunDir, n_content: int) -> None:
+    """``tag_to_concept.parquet`` maps tags to content concepts of this library only (or to null)."""
+    path = run.output_dir(LibraryStage.output) / "tag_to_concept.parquet"
+    mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA).to_pydict()
+    for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
+        if concept is not None and not 0 <= concept < n_content:
+            raise ArtifactError(f"{path}: row {row} (tag {tag!r}): concept_id {concept} is not a content concept of "
+                                f"the library (0..{n_content - 1}); rebuild the library (atlas run CONFIG --force "
+                                "--stages library)")

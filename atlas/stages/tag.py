@@ -16,10 +16,9 @@ sees and the engine's identity, so a killed shard resumes without asking the eng
 from __future__ import annotations
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT
-from atlas.core.files import atomic_write_parquet, sha256_bytes
+from atlas.core.files import atomic_write_parquet, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -85,6 +84,9 @@ class TagStage(Stage):
         self.engine = tag_engine(self.config)
         self.engine.setup()
 
+    def teardown(self) -> None:
+        self.engine.close()  # a vLLM engine frees its GPU memory for the next stage's model
+
     def schema_for(self, domain: str) -> TagSchema:
         name = self.config.tag.domain_schemas.get(domain, domain)
         return self.schemas.get(name, self.schemas["generic"])
@@ -114,7 +116,7 @@ class TagStage(Stage):
         return results
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        chunks = pq.read_table(run.part_path("chunks", shard), columns=["chunk_id", "domain", "chunk_text"]).to_pylist()
+        chunks = read_parquet(run.part_path("chunks", shard), ["chunk_id", "domain", "chunk_text"]).to_pylist()
         stats = Stats({"chunks_in": len(chunks)})
         cache = RequestCache(run.root / "_cache" / "tag" / f"{shard:05d}.sqlite", self.engine.identity())
         tagged: dict[str, dict] = {}

@@ -25,11 +25,10 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from atlas.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
 from atlas.config import PROJECT_ROOT
-from atlas.core.files import atomic_write_parquet, sha256_bytes, stable_hash
+from atlas.core.files import atomic_write_parquet, read_parts, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -39,7 +38,7 @@ from atlas.llm.cache import RequestCache, ask_cached
 from atlas.llm.engine import LLMRequest
 from atlas.llm.prompts import load_prompt
 from atlas.stages.chunk import read_chunks
-from atlas.stages.library import load_library
+from atlas.stages.library import check_tag_to_concept, load_library
 from atlas.tagging import parse_answer
 
 TARGETS_VERSION = 1
@@ -115,7 +114,11 @@ class TargetsStage(Stage):
             raise ValueError(f"{run.output_dir('library')}/config.json has no offsets for auxiliary domains "
                              f"{missing}; rebuild the library (atlas run CONFIG --force --stages library)")
 
-        tagged = sorted(set(pq.read_table(run.output_dir("tags"), columns=["chunk_id"]).column(0).to_pylist()))
+        from atlas.stages.tag import TAG_SCHEMA
+
+        check_tag_to_concept(run, library["domain_sizes"]["content"])
+        tags = read_parts(run.output_dir("tags"), ["chunk_id"], required=TAG_SCHEMA)
+        tagged = sorted(set(tags.column(0).to_pylist()))
         content = chunk_concepts(run)
         stats = Stats({"chunks_tagged": len(tagged), "chunks_with_concepts": len(content)})
         picked = build_reservoir(tagged, content, a.reservoir_size, a.min_per_concept, a.seed)

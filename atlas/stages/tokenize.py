@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_parquet
+from atlas.core.files import ArtifactError, atomic_write_parquet, open_parquet, read_json, read_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -31,6 +30,7 @@ from atlas.tokenizer import BOS, ENDOFTEXT, EOC, cl100k
 
 TOKENIZE_VERSION = 1
 STREAM = "_stream"
+RETOKENIZE = "rerun the tokenize stage (atlas run CONFIG --force --stages tokenize)"
 INDEX_SCHEMA = pa.schema(
     [("chunk_id", pa.string()), ("doc_id", pa.string()), ("token_start", pa.int64()), ("token_end", pa.int64()),
      ("n_tokens", pa.int32()), ("doc_end_flag", pa.bool_()), ("concepts", pa.list_(pa.int64()))]
@@ -68,13 +68,13 @@ class TokenizeStage(Stage):
         self.encoding = cl100k()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        source = pq.ParquetFile(run.part_path("annotated", shard))
+        columns = ["chunk_id", "doc_id", "text", "doc_end_flag", "concepts"]
+        source = open_parquet(run.part_path("annotated", shard), columns)
         stream_path = run.output_dir(self.output) / STREAM / f"part-{shard:05d}.u32"
         stream_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = stream_path.with_name(f".{stream_path.name}.tmp")
         stats, offset, index = Stats(), 0, []
         with open(tmp, "wb") as out:
-            columns = ["chunk_id", "doc_id", "text", "doc_end_flag", "concepts"]
             for batch in source.iter_batches(batch_size=self.config.tokenize.block_rows, columns=columns):
                 rows = batch.to_pydict()
                 tokens = self.encoding.encode_ordinary_batch(rows["text"], num_threads=self.config.tokenize.threads)
@@ -115,18 +115,33 @@ class TokenShards:
         self.parts = sorted(folder.glob("part-*.parquet"))
         if not self.parts:
             raise FileNotFoundError(f"{folder}: no token shards; run the tokenize stage")
+        n_shards = max(len(self.parts), len(list((folder / STREAM).glob("part-*.u32"))))
+        expected = [self.run.part_path(TokenizeStage.output, i) for i in range(n_shards)]
+        if self.parts != expected:  # shard i is parts[i]: a gap would pair a stream with another shard's index
+            missing = sorted(set(expected) - set(self.parts))
+            raise ArtifactError(f"{missing[0]}: missing (found {len(self.parts)} token shards, numbered "
+                                f"{', '.join(p.stem.removeprefix('part-') for p in self.parts)}); {RETOKENIZE}")
         if n_concepts is None:
-            import json
-
-            n_concepts = json.loads((self.run.output_dir("library") / "config.json").read_text())["n_concepts"]
+            n_concepts = read_json(self.run.output_dir("library") / "config.json")["n_concepts"]
         self.n_concepts = n_concepts
 
     def stream(self, shard: int) -> np.ndarray:
+        """Shard ``shard``'s token stream, checked against the length its index part gives it."""
         path = self.run.output_dir(TokenizeStage.output) / STREAM / f"part-{shard:05d}.u32"
-        return np.memmap(path, dtype="<u4", mode="r") if path.stat().st_size else np.zeros(0, dtype=np.uint32)
+        if not path.is_file():
+            raise ArtifactError(f"{path}: missing; {RETOKENIZE}")
+        size = path.stat().st_size
+        ends = read_parquet(self.parts[shard], ["token_end"]).column(0)
+        expected = ends[-1].as_py() if len(ends) else 0
+        if size != 4 * expected:
+            raise ArtifactError(f"{path}: {size} bytes ({size / 4:g} tokens), but {self.parts[shard]} ends its last "
+                                f"chunk at token {expected}: the stream is truncated or belongs to another index; "
+                                f"{RETOKENIZE}")
+        return np.memmap(path, dtype="<u4", mode="r") if size else np.zeros(0, dtype=np.uint32)
 
     def index(self, shard: int) -> dict:
-        return pq.read_table(self.parts[shard]).to_pydict()
+        return read_parquet(self.parts[shard], required=["chunk_id", "token_start", "token_end", "concepts"],
+                            hint=RETOKENIZE).to_pydict()
 
     def windows(self, seq_len: int, shards: list[int] | None = None) -> Iterator[TokenWindow]:
         """Non-overlapping windows over each shard's stream, in order; a shard's last partial window is dropped."""

@@ -28,10 +28,9 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from scipy import sparse
 
-from atlas.core.files import atomic_write_json, atomic_write_parquet, sha256_bytes
+from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -82,7 +81,8 @@ class TrainAnnotatorStage(Stage):
     def _load(self, run: RunDir):
         concepts, library = load_library(run)
         offsets, sizes = library["domain_offsets"], library["domain_sizes"]
-        table = pq.read_table(run.part_path("targets", 0)).to_pydict()
+        table = read_parquet(run.part_path("targets", 0), required=["chunk_id", "domain", "split", "concepts"],
+                             hint="rerun the targets stage (--force --stages targets)").to_pydict()
         n = len(table["chunk_id"])
         labels = {}
         for domain in offsets:

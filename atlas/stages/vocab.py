@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from atlas.core.files import atomic_write_npy, atomic_write_parquet
+from atlas.core.files import ArtifactError, atomic_write_npy, atomic_write_parquet, read_parquet, read_parts
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -46,7 +45,9 @@ class VocabStage(Stage):
         self.embedder = Embedder(self.config.vocab.embedding_model)
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "field", "tag", "tag_norm"])
+        from atlas.stages.tag import TAG_SCHEMA
+
+        tags = read_parts(run.output_dir("tags"), ["chunk_id", "field", "tag", "tag_norm"], required=TAG_SCHEMA)
         stats = Stats({"tags_in": tags.num_rows})
         grouped = tags.group_by("tag_norm").aggregate(
             [("chunk_id", "count"), ("chunk_id", "distinct"), ("field", "distinct"), ("tag", "distinct")]
@@ -81,10 +82,15 @@ class VocabStage(Stage):
 def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
     """The vocabulary table and its aligned float16 embeddings."""
     folder = run.output_dir(VocabStage.output)
-    table = pq.read_table(folder / "part-00000.parquet")
-    vectors = np.load(folder / "_embeddings.npy")
-    if len(vectors) != table.num_rows:
-        raise ValueError(f"{folder}: {table.num_rows} tags but {len(vectors)} embeddings; rerun with --force")
+    table = read_parquet(folder / "part-00000.parquet", required=VOCAB_SCHEMA)
+    try:
+        vectors = np.load(folder / "_embeddings.npy", allow_pickle=False)  # never unpickle from a run directory
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder / '_embeddings.npy'}: unreadable ({e}); rerun the vocab stage with --force") from None
+    if vectors.ndim != 2 or len(vectors) != table.num_rows:
+        raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but "
+                            f"{folder / 'part-00000.parquet'} has {table.num_rows} tags (row i embeds tag i); "
+                            "rerun the vocab stage with --force")
     return table, vectors
 
 

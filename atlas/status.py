@@ -1,0 +1,112 @@
+"""Where a run stands, per stage: shards done, counters, drops, failures, timings.
+
+Read from the run directory alone (manifest, shard markers), so it works while a run is going, after
+it finished, after it was killed, and from another machine. ``atlas status RUN`` prints it; the
+Prefect flow publishes the same table as an artifact after every stage; the run report shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+from dataclasses import dataclass, field
+
+from atlas.core.rundir import RunDir
+from atlas.stages import STAGES
+
+
+@dataclass
+class StageStatus:
+    name: str
+    state: str  # done, running, interrupted, failed, planned, not started
+    shards_done: int = 0
+    shards_total: int = 0
+    counters: dict = field(default_factory=dict)  # summed over the finished shards
+    failed: dict = field(default_factory=dict)  # shard -> "ErrorType: message" of its last attempt
+    shard_seconds: float = 0.0  # summed over the finished shards (work, not wall time)
+    wall_seconds: float | None = None
+
+    @property
+    def drops(self) -> dict:
+        return {k.removeprefix("dropped."): v for k, v in self.counters.items() if k.startswith("dropped.")}
+
+
+def driver_alive(driver: dict | None) -> bool | None:
+    """Whether the process that ran the stages is still alive: None when it ran on another host."""
+    if not driver:
+        return False
+    if driver.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(driver["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def run_status(run: RunDir) -> list[StageStatus]:
+    manifest = run.read_manifest()
+    if not manifest:
+        raise FileNotFoundError(f"{run.root}: not an Atlas run directory (no manifest.json)")
+    recorded, alive = manifest.get("stages", {}), driver_alive(manifest.get("driver"))
+    statuses = []
+    for name, stage in STAGES.items():
+        info = recorded.get(name)
+        if not info:
+            statuses.append(StageStatus(name, "not started"))
+            continue
+        status = StageStatus(name, info.get("status", "planned"), shards_total=info.get("num_shards", 0),
+                             wall_seconds=info.get("wall_seconds"))
+        for shard in range(status.shards_total):
+            marker = run.shard_marker(stage.output, shard)
+            if marker and marker.get("stage_hash") == info["hash"]:
+                status.shards_done += 1
+                status.shard_seconds += marker.get("seconds", 0.0)
+                for key, value in marker.get("counters", {}).items():
+                    status.counters[key] = status.counters.get(key, 0) + value
+        status.failed = {int(k): v for k, v in info.get("errors", {}).items()}
+        if run.is_stage_done(stage.output, info["hash"]):
+            status.state = "done"
+        elif status.state == "running" and alive is False:
+            status.state = "interrupted"  # killed or crashed: the same command resumes it
+        statuses.append(status)
+    return statuses
+
+
+def format_status(run: RunDir) -> str:
+    manifest = run.read_manifest()
+    statuses = run_status(run)
+    driver = manifest.get("driver") or {}
+    alive = driver_alive(driver)
+    lines = [f"run {manifest.get('name')} in {run.root}  (updated {manifest.get('updated', '?')})"]
+    if any(s.state in ("running", "interrupted") for s in statuses):
+        where = f"pid {driver.get('pid')} on {driver.get('host')}"
+        lines.append(f"  driver {where}: " + {True: "running", False: "not running (the run was stopped; rerun the "
+                                                "same command to resume)", None: "on another host"}[alive])
+    lines.append(f"  {'stage':<16} {'state':<12} {'shards':>9} {'dropped':>9} {'work s':>9} {'wall s':>9}")
+    for s in statuses:
+        shards = f"{s.shards_done}/{s.shards_total}" if s.shards_total else "-"
+        wall = f"{s.wall_seconds:.1f}" if s.wall_seconds is not None else "-"
+        lines.append(f"  {s.name:<16} {s.state:<12} {shards:>9} {sum(s.drops.values()):>9,} "
+                     f"{s.shard_seconds:>9.1f} {wall:>9}")
+        kept = [f"{k}={v:,}" for k, v in s.counters.items() if not k.startswith("dropped.")]
+        if kept:
+            lines.extend(textwrap.wrap(", ".join(kept), width=100, initial_indent="      ", subsequent_indent="      "))
+        for reason, n in sorted(s.drops.items(), key=lambda kv: -kv[1]):
+            lines.append(f"      dropped {reason}: {n:,}")
+        for shard, error in sorted(s.failed.items()):
+            lines.append(f"      FAILED shard {shard:05d}: {error}")
+    return "\n".join(lines)
+
+
+def status_rows(run: RunDir) -> list[dict]:
+    """The status as table rows (for Prefect's table artifact and ``atlas status --json``)."""
+    rows = []
+    for s in run_status(run):
+        rows.append({"stage": s.name, "state": s.state, "shards": f"{s.shards_done}/{s.shards_total}",
+                     "counters": s.counters, "dropped": s.drops, "failed": s.failed,
+                     "shard_seconds": round(s.shard_seconds, 3), "wall_seconds": s.wall_seconds})
+    return rows

@@ -1,0 +1,251 @@
+"""Fault injection on the whole pipeline: SIGKILL in every stage, a full disk, a read-only run directory.
+
+Each test compares against an uninterrupted run of the same config: after the faults and a rerun,
+every data file must be byte-identical. Files that hold timings or resume bookkeeping (the manifest,
+shard markers, merged counters, caches, the report) are left out of the comparison; they are
+allowed to differ (a resumed tag stage counts cache hits, for one).
+"""
+
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import write_config, write_jsonl
+
+from atlas.stages import STAGES
+
+pytestmark = pytest.mark.slow
+
+EXCLUDED_NAMES = {"manifest.json", "_stats.json"}
+EXCLUDED_PARTS = {"_shards", "_cache", "report", "_staging"}
+SMALL = {"library": {"ks": [8, 16]}, "tag": {"batch_size": 16},
+         "annotator": {"epochs": 5, "hidden": 32, "judge_sample": 5, "min_per_concept": 2},
+         "annotate": {"zarr_chunk_rows": 7, "block_rows": 5}, "tokenize": {"block_rows": 6}}
+
+
+def without_timings(value):
+    """A JSON value with its wall-clock fields ("seconds", "train_seconds"...) taken out."""
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def data_files(run_dir: Path) -> dict[str, bytes]:
+    """Every file that holds results (not timings or bookkeeping), as bytes; JSON files without their timings."""
+    files = {}
+    for path in sorted(run_dir.rglob("*")):
+        rel = path.relative_to(run_dir)
+        if (path.is_file() and path.name not in EXCLUDED_NAMES and not EXCLUDED_PARTS & set(rel.parts)
+                and not path.name.endswith(".tmp")):
+            data = path.read_bytes()
+            if path.suffix == ".json":
+                data = json.dumps(without_timings(json.loads(data)), sort_keys=True).encode()
+            files[str(rel)] = data
+    return files
+
+
+def atlas_run(config: Path, stages: str | None = None, **popen) -> subprocess.Popen:
+    command = [sys.executable, "-m", "atlas.cli", "run", str(config), "--inline", "--no-progress"]
+    command += ["--stages", stages] if stages else []
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def finish(process: subprocess.Popen, timeout: float = 900) -> str:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def running_stage(run_dir: Path) -> str | None:
+    try:
+        stages = json.loads((run_dir / "manifest.json").read_text()).get("stages", {})
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return next((name for name, info in stages.items() if info.get("status") == "running"), None)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, demo_records):
+    """A 24-document config through every stage, and the data files of its uninterrupted run."""
+    folder = tmp_path_factory.mktemp("faults")
+    sources = ("python-docs", "python-math-docs", "python-stdlib")
+    docs = write_jsonl(folder / "docs.jsonl", [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
+    config = write_config(folder, docs, input={"docs_per_shard": 6}, **SMALL)
+    finish(atlas_run(config))
+    return config, data_files(folder / "run")
+
+
+def with_run_dir(config: Path, run_dir: Path) -> Path:
+    data = yaml.safe_load(config.read_text()) | {"run_dir": str(run_dir)}
+    path = run_dir.parent / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outputs(pipeline, tmp_path):
+    """Kill `atlas run` twice in every stage, at a random moment after the stage starts (seeded; the seed
+    is printed), restart it each time, and compare the finished run with the uninterrupted one."""
+    config, reference = pipeline
+    run_dir = tmp_path / "run"
+    config = with_run_dir(config, run_dir)
+    seed = int(os.environ.get("ATLAS_FAULT_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    print(f"ATLAS_FAULT_SEED={seed}")
+    kills: list[tuple[str, float]] = []
+    for stage in STAGES:
+        for _ in range(2):
+            process = atlas_run(config)
+            while process.poll() is None and running_stage(run_dir) != stage:
+                time.sleep(0.01)
+            if process.poll() is not None:  # the stage finished between two polls: nothing to kill here
+                break
+            delay = rng.uniform(0, 1.0)
+            time.sleep(delay)
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                kills.append((running_stage(run_dir) or "between stages", round(delay, 3)))
+            process.communicate()
+    print("kills (stage, seconds after it started):", kills)
+    out = finish(atlas_run(config))
+    assert "index" in out
+    killed_in = {stage for stage, _ in kills}
+    assert len(kills) >= 12 and len(killed_in & set(STAGES)) >= 8, kills
+    assert data_files(run_dir) == reference
+
+    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True, text=True)
+    assert "interrupted" not in status.stdout and status.stdout.count(" done ") >= len(STAGES)
+
+
+def test_status_says_interrupted_after_a_kill(pipeline, tmp_path):
+    config, _ = pipeline
+    run_dir = tmp_path / "run"
+    config = with_run_dir(config, run_dir)
+    process = atlas_run(config)
+    while process.poll() is None and running_stage(run_dir) != "tag":
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True, text=True)
+    assert "tag              interrupted" in status.stdout and "rerun the same command to resume" in status.stdout
+
+
+# --- a full disk and a read-only run directory ----------------------------------------------------------
+
+
+def mount_namespaces() -> bool:
+    """Whether this machine lets us mount a small tmpfs in a private mount namespace (root in a container)."""
+    try:
+        probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                "mount -t tmpfs -o size=64k tmpfs /mnt && umount /mnt"], capture_output=True)
+    except FileNotFoundError:
+        return False
+    return probe.returncode == 0
+
+
+def run_in_namespace(script: str, config: Path, stages: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (which mounts something) then `atlas run` in a private mount namespace."""
+    command = f"{script} && exec {sys.executable} -m atlas.cli run {config} --inline --no-progress --stages {stages}"
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+                          capture_output=True, text=True, timeout=900)
+
+
+def limit_file_size(limit: int):
+    def apply():  # writes past `limit` bytes fail with EFBIG instead of killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_path):
+    config, reference = pipeline
+    run_dir = tmp_path / "run"
+    config = with_run_dir(config, run_dir)
+    finish(atlas_run(config, "chunk,tag"))
+    before = data_files(run_dir)
+    later = "vocab,cluster,coherence,label,library,targets,train_annotator,annotate,tokenize,index"
+    if mount_namespaces():
+        # A real full disk: an 8 KiB tmpfs over the folder of the annotate stage's parts. What the failed
+        # stage wrote there goes with the namespace, as it would be lost on a full disk.
+        (run_dir / "annotated").mkdir()
+        done = run_in_namespace(f"mount -t tmpfs -o size=8k tmpfs {run_dir / 'annotated'}", config, later)
+        expected = "No space left on device"
+    else:  # no mount rights: any file past 16 KiB fails to write (EFBIG), like a full disk for big files
+        process = atlas_run(config, later, preexec_fn=limit_file_size(16 << 10))
+        done = subprocess.CompletedProcess(process.args, process.returncode, *process.communicate(timeout=900))
+        expected = "File too large"
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert expected in done.stderr and "error:" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    after = data_files(run_dir)
+    assert {k: v for k, v in after.items() if k in before} == before  # finished stages untouched
+    assert not [p for p in run_dir.rglob("*.tmp")], "a half-written file was left behind"
+    finish(atlas_run(config))
+    assert data_files(run_dir) == reference
+
+
+def test_a_read_only_run_directory_gives_a_clear_error_and_changes_nothing(pipeline, tmp_path):
+    config, reference = pipeline
+    run_dir = tmp_path / "run"
+    config = with_run_dir(config, run_dir)
+    finish(atlas_run(config, "chunk"))
+    before = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    if mount_namespaces():
+        done = run_in_namespace(f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir}", config,
+                                "chunk,tag")
+    elif os.geteuid() != 0:
+        for path in [run_dir, *run_dir.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        process = atlas_run(config, "chunk,tag")
+        done = subprocess.CompletedProcess(process.args, process.returncode, *process.communicate(timeout=900))
+    else:
+        pytest.skip("root without mount rights: a read-only directory cannot be made here")
+    assert done.returncode == 1 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "Read-only file system" in done.stderr or "Permission denied" in done.stderr
+    after = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before
+
+
+# --- an LLM endpoint that fails 30% of the time -----------------------------------------------------------
+
+
+def test_llm_endpoint_faults_at_30_percent_the_library_completes_and_accounts_for_everything(tmp_path, demo_records):
+    """Tagging, coherence judging, labeling and auxiliary labels all go through the `openai` engine against a
+    loopback server that spoils 30% of its answers (bad JSON, cut short, off-schema, HTTP 500/429, stalls)."""
+    from fault_server import FaultServer
+
+    from atlas.config import load_config
+    from atlas.core.rundir import RunDir
+    from atlas.runner import run_stages
+    from test_tag_stage import accounted
+
+    docs = write_jsonl(tmp_path / "docs.jsonl", [r for r in demo_records if r["data_src"] == "python-docs"][:10])
+    with FaultServer(mode="mixed", fault_rate=0.3, seed=7, hang_s=1.5) as server:
+        llm = {"engine": "openai", "base_url": server.base_url, "model": "m", "timeout_s": 1.0, "max_retries": 2,
+               "backoff_s": 0.01, "max_concurrency": 8}
+        config = load_config(write_config(tmp_path, docs, llm=llm, **{k: SMALL[k] for k in ("library", "tag", "annotator")}))
+        run_stages(config, ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library", "targets"],
+                   log=lambda m: None)
+    faults = len(server.served) - server.served.count("ok")
+    assert 0.2 < faults / len(server.served) < 0.4 and len(server.served) > 100
+    run = RunDir(config.run_dir)
+    n_chunks, n_tagged, n_quarantined = accounted(run)  # every chunk: tagged or quarantined with its reason
+    assert n_tagged > 0.8 * n_chunks
+    counters = {name: json.loads(run.stats_path(STAGES[name].output).read_text())["counters"] for name in STAGES
+                if run.stats_path(STAGES[name].output).exists()}
+    coherence = counters["coherence"]  # every cluster kept, or dropped with its reason (judge_failed among them)
+    kept = coherence.get("clusters_kept", 0)
+    assert kept + sum(v for k, v in coherence.items() if k.startswith("dropped.")) == coherence["clusters_in"] > 0
+    assert counters["label"].get("concepts_out", 0) == kept
+    assert counters["targets"]["reservoir"] > 0
