@@ -122,7 +122,7 @@ th { background: #f0f3f8; } tr:nth-child(even) td { background: #fafafa; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td { max-width: 420px; overflow-wrap: break-word; } small { color: #777; }
 .done { color: #2a7d2a; font-weight: 600; } .failed { color: #c0392b; font-weight: 600; }
-.running, .planned { color: #b7791f; font-weight: 600; } .not-run { color: #999; }
+.running, .planned, .interrupted { color: #b7791f; font-weight: 600; } .not-run { color: #999; }
 .figs { display: grid; grid-template-columns: repeat(auto-fill, minmax(480px, 1fr)); gap: 16px; }
 figure { margin: 0; } figure img { width: 100%; border: 1px solid #eee; } figure.wide { grid-column: 1 / -1; }
 figure.wide img { max-width: 820px; } details summary { cursor: pointer; color: #4c72b0; }
@@ -201,28 +201,24 @@ def _summary(run, manifest: dict, stage_names: list[str]) -> str:
     return _table(None, rows)
 
 
-def _stage_rows(run, recorded: dict, stage_names: list[str]) -> str:
-    from atlas.stages import STAGES
+def _stage_rows(run) -> str:
+    """The stage table: the same states and counts as `atlas status` (atlas.status), plus the counters."""
+    from atlas.status import run_status
 
     rows = []
-    for name in stage_names:
-        info = recorded.get(name)
-        if not info:
-            rows.append([name, _Html('<span class="not-run">not run</span>'), "", "", "", "", "", "", ""])
+    for s in run_status(run):
+        if s.state == "not started":
+            rows.append([s.name, _Html('<span class="not-run">not run</span>'), "", "", "", "", "", "", ""])
             continue
-        counters, n, status = info.get("counters", {}), info.get("num_shards", 0), info.get("status", "?")
-        output = STAGES[name].output if name in STAGES else info.get("output", name)
-        done = n if status == "done" else sum(run.is_shard_done(output, i, info.get("hash")) for i in range(n))
-        key_in, key_out = _IO.get(name) or (next((k for k in counters if k.endswith("_in")), None),
-                                           next((k for k in counters if k.endswith("_out")), None))
-        rows_in, rows_out = (_Html(f"{_fmt(counters[k])} <small>{html.escape(k)}</small>") if k in counters else ""
+        key_in, key_out = _IO.get(s.name) or (next((k for k in s.counters if k.endswith("_in")), None),
+                                             next((k for k in s.counters if k.endswith("_out")), None))
+        rows_in, rows_out = (_Html(f"{_fmt(s.counters[k])} <small>{html.escape(k)}</small>") if k in s.counters else ""
                              for k in (key_in, key_out))
-        drops = sum(v for k, v in counters.items() if k.startswith("dropped."))
-        failed = f" (shards {info['failed_shards']})" if info.get("failed_shards") else ""
-        details = _Html(f"<details><summary>{len(counters)}</summary>{_kv(counters)}</details>") if counters else ""
-        rows.append([name, _Html(f'<span class="{html.escape(status)}">{html.escape(status + failed)}</span>'),
-                     f"{done}/{n}", rows_in, rows_out, drops, info.get("wall_seconds", ""),
-                     info.get("shard_seconds", ""), details])
+        failed = f" (shards {sorted(s.failed)})" if s.failed else ""
+        details = _Html(f"<details><summary>{len(s.counters)}</summary>{_kv(s.counters)}</details>") if s.counters else ""
+        rows.append([s.name, _Html(f'<span class="{html.escape(s.state)}">{html.escape(s.state + failed)}</span>'),
+                     f"{s.shards_done}/{s.shards_total}", rows_in, rows_out, sum(s.drops.values()),
+                     "" if s.wall_seconds is None else s.wall_seconds, round(s.shard_seconds, 3), details])
     return _table(["stage", "status", "shards", "in", "out", "dropped", "wall s", "shard s", "counters"], rows)
 
 
@@ -242,8 +238,8 @@ def _drops(run, recorded: dict, stage_names: list[str]) -> str:
         parts.append(f"<h3>{html.escape(name)}</h3>")
         if reasons:
             parts.append(_table(["reason", "dropped"], sorted(reasons.items(), key=lambda kv: -kv[1])))
-        if info.get("failed_shards"):
-            parts.append(f"<p class=failed>failed shards: {html.escape(str(info['failed_shards']))}</p>")
+        for shard, error in sorted(info.get("errors", {}).items()):
+            parts.append(f"<p class=failed>failed shard {html.escape(shard)}: {html.escape(error)}</p>")
         if files:
             first = next(pq.ParquetFile(files[0]).iter_batches(batch_size=3), None)  # not the whole file
             examples = first.to_pylist() if first is not None else []
@@ -370,7 +366,7 @@ def write_html_report(run_root) -> Path:
 
     sections = [
         ("summary", "Run", _summary(run, manifest, names)),
-        ("stages", "Stages", _stage_rows(run, recorded, names)),
+        ("stages", "Stages", _stage_rows(run)),
         ("drops", "Drops and rejects", _drops(run, recorded, names)),
         ("library", "Concept library", _plots(run, recorded, "library") + done("library", _concepts)),
         ("annotator", "Concept annotator", done("train_annotator", _annotator) + _plots(run, recorded, "annotator")),

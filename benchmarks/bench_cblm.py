@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cblm.py --run runs/dev [--preset dev|toy] [--objective ar|diffusion] [--device cuda]
                                     [--set KEY=VALUE ...] [--steer "geometry problem" --strengths 2,4,8]
+                                    [--fresh] [--json PATH] [--details PATH]
 
 Trains two models on the run's token shards with identical settings, steps, batches and seed (``--preset``; ``--set``
 overrides), one with ``concepts=true`` and one with ``concepts=false`` (the baseline), then prints:
@@ -14,6 +15,8 @@ overrides), one with ``concepts=true`` and one with ``concepts=false`` (the base
 - a steering example: text before and after, and the frequency of the concept's lifted tokens in the generations.
 
 Models go to RUN/cblm/bench-<objective>-{concepts,baseline}; a rerun resumes or reuses them (``--fresh`` retrains).
+``--json`` writes the comparisons as result rows (val loss, training seconds, lifted-token frequency steered vs
+unsteered); ``--details`` writes every number above.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _results import add_json_option, row, write_json  # noqa: E402
 from atlas.cblm import checkpoint  # noqa: E402
 from atlas.cblm.data import TokenData  # noqa: E402
 from atlas.cblm.generate import Codec, steering_effect  # noqa: E402
@@ -83,7 +87,8 @@ def main() -> None:
     parser.add_argument("--strengths", default="2,4,8", help="steering strengths tau to try (comma-separated)")
     parser.add_argument("--prompt", action="append", default=None, help="steering prompts (repeatable)")
     parser.add_argument("--fresh", action="store_true", help="delete earlier bench models first")
-    parser.add_argument("--json", help="also write the results here")
+    add_json_option(parser)
+    parser.add_argument("--details", metavar="PATH", help="also write every result (metrics, steering texts) here")
     args = parser.parse_args()
 
     base = PRESETS[args.preset] + [f"objective={args.objective}", f"device={args.device}"] + args.set
@@ -129,8 +134,21 @@ def main() -> None:
         print(f"tau {s['strength']:g} (gamma {s['gamma']:.2f}, layers >= {s['layer']}): lifted-token frequency "
               f"{s['lifted_frequency_before']:.4f} -> {s['lifted_frequency_after']:.4f}")
         print(f"--- before ---\n{s['text_before']}\n--- after ---\n{s['text_after']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    if args.details:
+        Path(args.details).write_text(json.dumps(results, indent=2, default=str))
+    setting = f"{args.objective}, preset {args.preset}"
+    attribution = max(results["attribution"].values())
+    note = (f"goal <= 1.05; contribution {concept.get('contribution', float('nan')):.3f}, detection AUC "
+            f"{concept.get('detection_auc', float('nan')):.3f}, max attribution error {attribution:.1e}")
+    write_json(args.json, [
+        row("cblm", f"val loss, {setting}", concept["val_loss"], baseline["val_loss"], "loss",
+            "same backbone without concepts", better="lower", note=note),
+        row("cblm", f"training time, {setting}", concept["seconds"], baseline["seconds"], "s",
+            "same backbone without concepts", better="lower",
+            note=f"{concept['parameters']['total']:,} vs {baseline['parameters']['total']:,} parameters"),
+        *[row("cblm", f"steering {args.steer!r}, tau {s['strength']:g}", s["lifted_frequency_after"],
+              s["lifted_frequency_before"], "lifted-token freq", "same model unsteered",
+              note=f"concept {concept_id}, {len(prompts)} prompt(s) x 8 samples") for s in results["steering"]]])
 
 
 if __name__ == "__main__":

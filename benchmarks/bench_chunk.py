@@ -1,6 +1,6 @@
 """Chunker throughput against the floor of its two library calls, measured in the same process.
 
-    python benchmarks/bench_chunk.py [--corpus ../shared/data/dev/corpus.parquet] [--repeats 3]
+    python benchmarks/bench_chunk.py [--corpus ../shared/data/dev/corpus.parquet] [--repeats 3] [--json PATH]
 
 floor   = BlingFire sentence split + tiktoken ``encode_ordinary`` of every document (the least any
           sentence chunker that counts cl100k tokens must do)
@@ -19,6 +19,7 @@ from pathlib import Path
 import blingfire
 import pyarrow.parquet as pq
 
+from _results import add_json_option, row, write_json
 from atlas.config import ChunkConfig
 from atlas.core.stats import Stats
 from atlas.stages.chunk import Chunker
@@ -30,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     parser.add_argument("--repeats", type=int, default=3)
+    add_json_option(parser)
     args = parser.parse_args()
     if not args.corpus.exists():
         raise SystemExit(f"{args.corpus} not found: pass --corpus PATH (a Parquet file with text and domain columns)")
@@ -65,6 +67,11 @@ def main() -> None:
     print(f"{'':32} {'MB/s':>8} {'vs floor':>9}")
     for name, seconds in best.items():
         print(f"{name:32} {megabytes / seconds:8.2f} {best['floor'] / seconds:9.2f}")
+    write_json(args.json, [
+        row("chunk", name.removeprefix("chunker (").removesuffix(")"), megabytes / best[name],
+            megabytes / best["floor"], "MB/s", "floor: BlingFire split + tiktoken encode",
+            note=f"goal >= 0.6; {len(records)} docs, {megabytes:.1f} MB")
+        for name in best if name != "floor"])
 
 
 if __name__ == "__main__":

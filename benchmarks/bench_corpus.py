@@ -1,13 +1,14 @@
 """Corpus processing throughput and memory, each against a baseline measured in the same run.
 
-    python benchmarks/bench_corpus.py --run runs/dev [--chunks 2000] [--rss 10000,100000]
+    python benchmarks/bench_corpus.py --run runs/dev [--chunks 2000] [--rss 10000,100000] [--json PATH]
 
 1. annotate: chunks/s of the annotate stage on one shard (encode + heads + decision + Parquet +
    zarr) next to the bare encoder's ``encode`` of the same texts (goal: ratio >= 0.85);
 2. tokenize: tokens/s of the tokenize stage next to tiktoken's ``encode_ordinary_batch`` of the
    same texts (goal: ratio >= 0.8);
 3. peak RSS of a worker process that annotates N short chunks in shards of 5,000 (it should not
-   grow with N). Short synthetic chunks keep the 100k case to minutes on a CPU.
+   grow with N). Short synthetic chunks keep the 100k case to minutes on a CPU. In ``--json`` each N after the
+   first is a row whose baseline is the first N's peak.
 
 ``--run`` must hold a trained annotator (``atlas run configs/dev.yaml``).
 """
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _results import add_json_option, row, write_json  # noqa: E402
 from atlas.config import config_from_dict  # noqa: E402
 from atlas.core.rundir import RunDir  # noqa: E402
 
@@ -77,7 +79,8 @@ def annotate_all(source: RunDir, run: RunDir):
     return stage, time.perf_counter() - start
 
 
-def bench_throughput(source: RunDir, n_chunks: int) -> None:
+def bench_throughput(source: RunDir, n_chunks: int) -> list[dict]:
+    """Print the annotate and tokenize comparisons; return them as result rows."""
     from atlas.stages.tokenize import TokenizeStage
     from atlas.tokenizer import cl100k
 
@@ -90,6 +93,8 @@ def bench_throughput(source: RunDir, n_chunks: int) -> None:
         best = best_seconds(2, encode=lambda: encoder.encode(texts), stage=lambda: stage.run_shard(run, 0))
         print(f"annotate  {len(texts):>7,} chunks   bare encode {len(texts) / best['encode']:8.1f} chunks/s   "
               f"stage {len(texts) / best['stage']:8.1f} chunks/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.85)")
+        rows = [row("corpus", f"annotate stage, {len(texts):,} chunks", len(texts) / best["stage"],
+                    len(texts) / best["encode"], "chunks/s", "bare encoder encode", note="goal >= 0.85")]
 
         config = config_from_dict(source.read_manifest()["config"])
         config.run_dir = str(run.root)
@@ -101,6 +106,9 @@ def bench_throughput(source: RunDir, n_chunks: int) -> None:
                             stage=lambda: tokenizer.run_shard(run, 0))
         print(f"tokenize  {n_tokens:>7,} tokens   encode_ordinary_batch {n_tokens / best['encode']:10,.0f} tokens/s   "
               f"stage {n_tokens / best['stage']:10,.0f} tokens/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.8)")
+        rows.append(row("corpus", f"tokenize stage, {n_tokens:,} tokens", n_tokens / best["stage"],
+                        n_tokens / best["encode"], "tokens/s", "tiktoken encode_ordinary_batch", note="goal >= 0.8"))
+    return rows
 
 
 def rss_worker(source: str, n_chunks: int) -> None:
@@ -134,6 +142,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=2000, help="chunks for the throughput comparisons")
     parser.add_argument("--rss", default="10000,100000", help="chunk counts for the peak-RSS runs ('' to skip)")
     parser.add_argument("--rss-worker", type=int, default=None, help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.rss_worker is not None:
         rss_worker(args.run, args.rss_worker)
@@ -141,13 +150,21 @@ def main() -> None:
     source = RunDir(args.run)
     if not (source.output_dir("annotator") / "config.json").exists():
         raise SystemExit(f"{args.run}: no trained annotator; run `atlas run configs/dev.yaml` first")
-    bench_throughput(source, args.chunks)
+    rows = bench_throughput(source, args.chunks)
+    first = None
     for n in [int(x) for x in args.rss.split(",") if x]:
         out = subprocess.run([sys.executable, __file__, "--run", args.run, "--rss-worker", str(n)],
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         result = json.loads(out)
         print(f"peak RSS  {result['chunks']:>7,} chunks   {result['peak_rss_mib']:8.1f} MiB   "
               f"({result['seconds']:.0f} s, {result['chunks'] / result['seconds']:.0f} chunks/s)")
+        if first is None:
+            first = result
+        else:
+            rows.append(row("corpus", f"annotate peak RSS, {n:,} chunks", result["peak_rss_mib"],
+                            first["peak_rss_mib"], "MiB", f"same at {first['chunks']:,} chunks", better="lower",
+                            note="should not grow with N"))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The k-means sweep of the concept library against scikit-learn's MiniBatchKMeans, measured in the same process.
 
     python benchmarks/bench_kmeans.py [--n 1000000] [--dim 384] [--ks 100,1000,10000] [--baseline-max-k K]
-                                      [--threads T]
+                                      [--threads T] [--json PATH]
 
 data     = ``--n`` synthetic unit vectors: a uniform mixture of 2,000 random directions plus Gaussian noise of
            norm ~1 (cosine ~0.7 to their direction), float32
@@ -36,6 +36,7 @@ import numpy as np
 from sklearn.cluster import MiniBatchKMeans, kmeans_plusplus
 from threadpoolctl import threadpool_limits
 
+from _results import add_json_option, row, write_json
 from atlas.clustering import assign, kmeans
 
 DIRECTIONS = 2000
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-max-k", type=int, default=None, help="skip the baseline for larger k")
     parser.add_argument("--threads", type=int, default=None, help="OpenMP/BLAS threads (default: the environment's)")
+    add_json_option(parser)
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     if args.threads is not None:
@@ -135,6 +137,7 @@ def main() -> None:
 
     print(f"{'k':>7} {'atlas s':>9} {'baseline s':>11} {'speed-up':>9} {'atlas q':>8} {'baseline q':>11} "
           f"{'passes':>7}")
+    rows = []
     for k in ks:
         start = time.perf_counter()
         centroids = kmeans(x, k, seed=args.seed, niter=NITER, max_points_per_centroid=MAX_POINTS_PER_CENTROID)
@@ -144,6 +147,8 @@ def main() -> None:
         print(f"{k:>7} {atlas_s:>9.1f}", end="", flush=True)  # the baseline can take much longer: show atlas now
         if args.baseline_max_k is not None and k > args.baseline_max_k:
             print(f" {'skipped':>11} {'':>9} {atlas_q:>8.4f}", flush=True)
+            rows.append(row("kmeans", f"k={k:,}, n={args.n:,}", atlas_s, None, "s", "scikit-learn MiniBatchKMeans",
+                            ratio_is="baseline/atlas", note=f"baseline skipped; quality {atlas_q:.4f}"))
             continue
         start = time.perf_counter()
         model = MiniBatchKMeans(n_clusters=k, batch_size=BATCH_SIZE, n_init=1, max_iter=NITER,
@@ -153,6 +158,10 @@ def main() -> None:
         base_q = quality(held_out, model.cluster_centers_)
         passes = model.n_steps_ * BATCH_SIZE / args.n
         print(f" {base_s:>11.1f} {base_s / atlas_s:>9.2f} {atlas_q:>8.4f} {base_q:>11.4f} {passes:>7.1f}", flush=True)
+        rows.append(row("kmeans", f"k={k:,}, n={args.n:,}", atlas_s, base_s, "s", "scikit-learn MiniBatchKMeans",
+                        ratio_is="baseline/atlas",
+                        note=f"quality {atlas_q:.4f} vs {base_q:.4f}; baseline {passes:.1f} passes"))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

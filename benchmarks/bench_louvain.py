@@ -1,6 +1,7 @@
 """Louvain dedup of synthetic concepts against networkx's own Louvain, measured in the same process.
 
     python benchmarks/bench_louvain.py [--n 50000] [--dim 384] [--m 20] [--tau 0.9] [--seed 0] [--repeats 3]
+                                      [--json PATH]
 
 graph    = atlas.communities.knn_graph: exact FAISS kNN (m neighbours, cosine >= tau), reported on its own
 atlas    = atlas.communities.louvain (python-louvain) on that graph, networkx graph construction included
@@ -25,6 +26,7 @@ import networkx as nx
 import numpy as np
 from networkx.algorithms.community import louvain_communities, modularity
 
+from _results import add_json_option, row, write_json
 from atlas.communities import knn_graph, louvain
 
 
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.9, help="minimum cosine of an edge")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="community runs per side; the best is kept")
+    add_json_option(parser)
     args = parser.parse_args()
     n_bases = args.bases if args.bases is not None else int(0.7 * args.n)
 
@@ -149,9 +152,19 @@ def main() -> None:
           f"  ({t_graph + t_atlas:.2f} s vs {t_graph + t_base:.2f} s)")
     ari = adjusted_rand(ours, base)
     print(f"agreement (adjusted Rand index):             {'n/a (no sklearn)' if ari is None else f'{ari:.4f}'}")
+    quality = {}
     for name, labels in (("atlas", ours), ("baseline", base)):
         q = partition_modularity(args.n, sources, targets, weights, labels)
-        print(f"{name:>8}: modularity {q:.4f}, planted groups recovered {groups_recovered(labels, group):.1%}")
+        quality[name] = (q, groups_recovered(labels, group))
+        print(f"{name:>8}: modularity {q:.4f}, planted groups recovered {quality[name][1]:.1%}")
+    (q_atlas, g_atlas), (q_base, g_base) = quality["atlas"], quality["baseline"]
+    note = (f"ARI {'n/a' if ari is None else f'{ari:.3f}'}; modularity {q_atlas:.3f} vs {q_base:.3f}; "
+            f"groups recovered {g_atlas:.1%} vs {g_base:.1%}")
+    write_json(args.json, [
+        row("louvain", f"community step, n={args.n:,}", t_atlas, t_base, "s", "networkx louvain_communities",
+            ratio_is="baseline/atlas", note=note),
+        row("louvain", f"whole pass (kNN graph + communities), n={args.n:,}", t_graph + t_atlas, t_graph + t_base, "s",
+            "kNN graph + networkx louvain_communities", ratio_is="baseline/atlas")])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Offline tagging throughput against the bare embedder, measured in the same process.
 
-    python benchmarks/bench_tag_offline.py --chunks runs/dev/chunks [--n 512]
+    python benchmarks/bench_tag_offline.py --chunks runs/dev/chunks [--n 512] [--json PATH]
 
 baseline = MiniLM ``encode`` of the chunk texts alone (what any embedding-based tagger pays)
 tagger   = the offline engine answering tag requests for the same chunks (chunk embeddings +
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 
+from _results import add_json_option, row, write_json
 from atlas.config import load_config
 from atlas.stages.tag import TagStage
 
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=Path, default=Path("runs/dev/chunks"), help="a run's chunks folder")
     parser.add_argument("--n", type=int, default=512, help="chunks to tag (the first n)")
     parser.add_argument("--batch-size", type=int, default=256)
+    add_json_option(parser)
     args = parser.parse_args()
     if not args.chunks.exists():
         raise SystemExit(f"{args.chunks} not found: run `atlas run configs/dev.yaml --stages chunk` first")
@@ -58,6 +60,9 @@ def main() -> None:
     base = seconds["baseline: encode chunks"]
     for name, s in seconds.items():
         print(f"{name:28} {len(chunks) / s:9.1f} {base / s:12.2f}")
+    write_json(args.json, [row("tag_offline", f"{len(chunks)} chunks", len(chunks) / seconds["offline tagger"],
+                               len(chunks) / base, "chunks/s", "bare MiniLM encode of the chunks",
+                               note=f"batch size {args.batch_size}")])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""benchmarks/run_all.py: one benchmark at a tiny size gives complete result rows; a missing input is skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = {"benchmark", "case", "atlas", "baseline", "unit", "ratio", "better", "baseline_name"}
+
+
+def test_run_all_louvain_tiny(tmp_path):
+    out = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--only", "louvain,corpus",
+         "--run", str(tmp_path / "no-run"), "--args", "louvain=--n 1000 --topics 100 --repeats 1",
+         "--out", str(out), "--timeout", "120"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.with_suffix(".json").read_text())
+    status = {b["name"]: b["status"] for b in result["benchmarks"]}
+    assert status["louvain"] == "ok", status
+    assert status["corpus"].startswith("skipped:"), status  # no trained annotator in the run given
+    rows = result["rows"]
+    assert rows and all(r["benchmark"] == "louvain" for r in rows)
+    for r in rows:
+        assert FIELDS <= set(r), r
+        assert r["better"] in ("higher", "lower")
+        assert r["atlas"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+    table = out.read_text()
+    assert "community step" in table and "skipped:" in table
+    assert table in proc.stdout  # the same table is printed
