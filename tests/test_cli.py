@@ -1,3 +1,4 @@
+import json
 import re
 import subprocess
 import sys
@@ -50,3 +51,19 @@ def test_inspect_shows_readable_rows(tmp_path, demo_records, capsys):
     assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "2", "--chars", "80"]) == 0
     out = capsys.readouterr().out
     assert out.count("chunk_id=") == 2 and "n_tokens=" in out and "│ " in out and "[...]" in out
+
+
+def test_atlas_stage_runs_with_the_config_of_the_latest_plan(tmp_path, demo_records, capsys):
+    """SLURM array tasks read the config from the manifest: re-planning with --force must update it."""
+    import yaml
+
+    config_path = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:10]))
+    run_dir = str(tmp_path / "run")
+    assert main(["plan", str(config_path), "--stages", "chunk"]) == 0
+    data = yaml.safe_load(config_path.read_text())
+    data["chunk"] = {"domains": {"web": {"max_tokens": 40}}}
+    config_path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(config_path), "--stages", "chunk", "--force"]) == 0
+    assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "0"]) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config"]["chunk"]["domains"]["web"]["max_tokens"] == 40

@@ -21,7 +21,8 @@
 # Environment:
 #   MAX_PARALLEL=200        array tasks at once (CPU arrays); GPU_PARALLEL=64 for tag and annotate
 #   SBATCH_ARGS="..."       extra sbatch options for every job, e.g. "--partition=batch --account=lm"
-#   GPU_STAGES="vocab targets"   global stages whose job also gets --gres=gpu:1 (default: none)
+#   GPU_STAGES="coherence label library targets train_annotator"   global stages whose job also gets
+#                           --gres=gpu:1 (default: none; with llm.engine vllm, list every LLM step)
 #   DRY_RUN=1               print the sbatch commands instead of submitting (the plan still runs)
 set -euo pipefail
 
