@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from atlas.config import AtlasConfig, ConfigError, config_from_dict
-from atlas.core.files import atomic_write_json, stable_hash
+from atlas.core.files import atomic_write_json, read_json, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -172,6 +172,9 @@ def run_stages(
         reports.append(report)
 
         if run.is_stage_done(stage.output, stage_hash):
+            if run.read_manifest().get("stages", {}).get(name, {}).get("status") != "done":  # killed after _SUCCESS
+                counters = read_json(run.stats_path(stage.output)).get("counters", {})
+                run.update_stage(name, status="done", counters=counters, failed_shards=[], errors={})
             report.skipped = True
             report.counters = run.read_manifest()["stages"][name].get("counters", {})
             report.num_shards = run.read_manifest()["stages"][name].get("num_shards", 0)
