@@ -64,6 +64,7 @@ def cmd_run(args) -> int:
     if args.no_progress:
         config.execution.progress = False
     stages = args.stages.split(",") if args.stages else None
+    reports = []
     try:
         if config.execution.orchestrator == "prefect":
             from flows.pipeline import run_with_prefect
@@ -83,8 +84,11 @@ def cmd_run(args) -> int:
         else:
             print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
     finally:
-        # Also after a failure: the report then shows the failed shards and what was dropped so far.
-        if (Path(config.run_dir) / "manifest.json").exists():
+        # Also after a failure (no reports then): the report shows the failed shards and what was dropped so far.
+        # A run that found nothing to do leaves an existing report as it is.
+        run_dir = Path(config.run_dir)
+        nothing_ran = reports and all(r.skipped for r in reports) and (run_dir / "report" / "index.html").exists()
+        if (run_dir / "manifest.json").exists() and not nothing_ran:
             from atlas.report import refresh_report
 
             refresh_report(config.run_dir)

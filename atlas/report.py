@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from atlas.core.files import atomic_write_bytes, stable_hash
+from atlas.core.files import atomic_write_bytes, read_json, stable_hash
 
 
 def _figure():
@@ -188,12 +188,11 @@ def _img(data: bytes, caption: str, wide: bool = False) -> str:
 
 
 def _read_json(path: Path):
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_json(path) if path.exists() else None
 
 
-def _summary(run, manifest: dict, stage_names: list[str]) -> str:
-    recorded = manifest.get("stages", {})
-    not_run = [s for s in stage_names if recorded.get(s, {}).get("status") != "done"]
+def _summary(run, manifest: dict, statuses) -> str:
+    not_run = [s.name for s in statuses if s.state != "done"]
     packages = ", ".join(f"{k} {v}" for k, v in manifest.get("packages", {}).items() if v != "not installed")
     rows = [["run directory", str(run.root.resolve())], ["config hash", stable_hash(manifest.get("config", {}))[:12]],
             ["manifest updated", manifest.get("updated", "?")], ["packages", packages],
@@ -201,12 +200,10 @@ def _summary(run, manifest: dict, stage_names: list[str]) -> str:
     return _table(None, rows)
 
 
-def _stage_rows(run) -> str:
+def _stage_rows(statuses) -> str:
     """The stage table: the same states and counts as `atlas status` (atlas.status), plus the counters."""
-    from atlas.status import run_status
-
     rows = []
-    for s in run_status(run):
+    for s in statuses:
         if s.state == "not started":
             rows.append([s.name, _Html('<span class="not-run">not run</span>'), "", "", "", "", "", "", ""])
             continue
@@ -351,6 +348,7 @@ def write_html_report(run_root) -> Path:
     """(Re)write ``RUN/report/index.html`` from whatever the run holds; returns its path."""
     from atlas.core.rundir import RunDir
     from atlas.stages import STAGES
+    from atlas.status import run_status
 
     run = RunDir(run_root)
     manifest = run.read_manifest()
@@ -364,9 +362,10 @@ def write_html_report(run_root) -> Path:
         status = recorded.get(stage, {}).get("status")
         return section(run) if status == "done" else _missing(stage, status)
 
+    statuses = run_status(run, manifest)
     sections = [
-        ("summary", "Run", _summary(run, manifest, names)),
-        ("stages", "Stages", _stage_rows(run)),
+        ("summary", "Run", _summary(run, manifest, statuses)),
+        ("stages", "Stages", _stage_rows(statuses)),
         ("drops", "Drops and rejects", _drops(run, recorded, names)),
         ("library", "Concept library", _plots(run, recorded, "library") + done("library", _concepts)),
         ("annotator", "Concept annotator", done("train_annotator", _annotator) + _plots(run, recorded, "annotator")),

@@ -172,12 +172,13 @@ def run_stages(
         reports.append(report)
 
         if run.is_stage_done(stage.output, stage_hash):
-            if run.read_manifest().get("stages", {}).get(name, {}).get("status") != "done":  # killed after _SUCCESS
-                counters = read_json(run.stats_path(stage.output)).get("counters", {})
-                run.update_stage(name, status="done", counters=counters, failed_shards=[], errors={})
+            info = run.read_manifest().get("stages", {}).get(name, {})
+            if info.get("status") != "done":  # killed between _SUCCESS and its record: complete the record
+                info = dict(info, status="done", counters=read_json(run.stats_path(stage.output)).get("counters", {}),
+                            failed_shards=[], errors={})
+                run.update_stage(name, **info)
             report.skipped = True
-            report.counters = run.read_manifest()["stages"][name].get("counters", {})
-            report.num_shards = run.read_manifest()["stages"][name].get("num_shards", 0)
+            report.counters, report.num_shards = info.get("counters", {}), info.get("num_shards", 0)
             log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
             continue
 

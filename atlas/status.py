@@ -47,8 +47,9 @@ def driver_alive(driver: dict | None) -> bool | None:
     return True
 
 
-def run_status(run: RunDir) -> list[StageStatus]:
-    manifest = run.read_manifest()
+def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
+    """Every pipeline stage's status; ``manifest`` when the caller has already read it."""
+    manifest = manifest if manifest is not None else run.read_manifest()
     if not manifest:
         raise FileNotFoundError(f"{run.root}: not an Atlas run directory (no manifest.json)")
     recorded, alive = manifest.get("stages", {}), driver_alive(manifest.get("driver"))
@@ -78,7 +79,7 @@ def run_status(run: RunDir) -> list[StageStatus]:
 
 def format_status(run: RunDir) -> str:
     manifest = run.read_manifest()
-    statuses = run_status(run)
+    statuses = run_status(run, manifest)
     driver = manifest.get("driver") or {}
     alive = driver_alive(driver)
     lines = [f"run {manifest.get('name')} in {run.root}  (updated {manifest.get('updated', '?')})"]
