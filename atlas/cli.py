@@ -26,6 +26,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from atlas.io import layout
+
 EXAMPLES = """examples:
   atlas run configs/demo.yaml                       # the whole pipeline (as far as it exists)
   atlas run configs/demo.yaml --stages chunk        # only chunking
@@ -38,7 +40,7 @@ EXAMPLES = """examples:
 """
 
 
-def _load(args) -> "AtlasConfig":  # noqa: F821
+def _load(args) -> AtlasConfig:  # noqa: F821
     from atlas.config import load_config
 
     overrides = list(args.set or [])
@@ -87,9 +89,9 @@ def cmd_run(args) -> int:
         # Also after a failure (no reports then): the report shows the failed shards and what was dropped so far.
         # A run that found nothing to do leaves an existing report as it is.
         run_dir = Path(config.run_dir)
-        nothing_ran = reports and all(r.skipped for r in reports) and (run_dir / "report" / "index.html").exists()
+        nothing_ran = reports and all(r.skipped for r in reports) and (run_dir / layout.REPORT / "index.html").exists()
         if (run_dir / "manifest.json").exists() and not nothing_ran:
-            from atlas.report import refresh_report
+            from atlas.tools.report import refresh_report
 
             refresh_report(config.run_dir)
     return 0
@@ -105,6 +107,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_stage(args) -> int:
+    from atlas.config import config_from_dict
+    from atlas.core.extras import require
     from atlas.core.rundir import RunDir
     from atlas.runner import run_one_shard
     from atlas.stages import STAGES
@@ -116,6 +120,7 @@ def cmd_stage(args) -> int:
         raise SystemExit(f"{run.root}: stage '{args.name}' is not planned; run `atlas plan CONFIG` first")
     if args.name not in STAGES:
         raise SystemExit(f"unknown stage '{args.name}'; stages are: {', '.join(STAGES)}")
+    require(STAGES[args.name](config_from_dict(manifest["config"])).extras(), f"stage '{args.name}'")
     shards = [s for s in range(info["num_shards"]) if s % args.num_shards == args.shard]
     for shard in shards:
         if run.is_shard_done(STAGES[args.name].output, shard, info["hash"]):
@@ -128,7 +133,7 @@ def cmd_stage(args) -> int:
 
 def cmd_status(args) -> int:
     from atlas.core.rundir import RunDir
-    from atlas.status import format_status, status_rows
+    from atlas.tools.status import format_status, status_rows
 
     run = RunDir(args.run_dir)
     if not run.manifest_path.exists():
@@ -167,7 +172,7 @@ def cmd_inspect(args) -> int:
     if args.what == "tags":  # chunks with their tags, field by field
         tags = ds.dataset(folder, format="parquet").to_table().to_pylist()
         chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
-        texts = {r["chunk_id"]: r for r in ds.dataset(run.output_dir("chunks"), format="parquet").to_table(
+        texts = {r["chunk_id"]: r for r in ds.dataset(run.output_dir(layout.CHUNKS), format="parquet").to_table(
             filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
         for chunk_id in chosen:
             chunk = texts[chunk_id]
@@ -181,7 +186,8 @@ def cmd_inspect(args) -> int:
             for field, values in fields.items():
                 print(f"    {field}: {', '.join(values)}")
         return 0
-    for row in ds.dataset(sorted(str(p) for p in folder.glob("part-*.parquet")), format="parquet").head(args.n).to_pylist():
+    parts = sorted(str(p) for p in folder.glob("part-*.parquet"))
+    for row in ds.dataset(parts, format="parquet").head(args.n).to_pylist():
         text = row.pop("chunk_text", None)
         print("-" * 100)
         shown = {k: (str(v) if len(str(v)) <= 120 else str(v)[:117] + "...") for k, v in row.items()}
@@ -194,14 +200,18 @@ def cmd_inspect(args) -> int:
 def _inspect_concepts(run, args) -> None:
     import pyarrow.parquet as pq
 
-    from atlas.stages.chunk import read_chunks
+    from atlas.io.chunks import read_chunks
 
     names = {r["concept_id"]: (r["domain"], r["name"]) for r in
-             pq.read_table(run.output_dir("library") / "concepts.parquet", columns=["concept_id", "domain", "name"]).to_pylist()}
+             pq.read_table(run.output_dir(layout.LIBRARY) / "concepts.parquet",
+                           columns=["concept_id", "domain", "name"]).to_pylist()}
     if args.what == "annotator":
-        rows = pq.read_table(run.output_dir("annotator") / "heldout_predictions.parquet").slice(0, args.n).to_pylist()
+        predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet")
+        rows = predictions.slice(0, args.n).to_pylist()
     else:
-        rows = pq.read_table(run.part_path("targets", 0), columns=["chunk_id", "domain", "split", "picked", "concepts"]).slice(0, args.n).to_pylist()
+        targets = pq.read_table(run.part_path(layout.TARGETS, 0),
+                                columns=["chunk_id", "domain", "split", "picked", "concepts"])
+        rows = targets.slice(0, args.n).to_pylist()
     texts = read_chunks(run, {r["chunk_id"] for r in rows})
     for row in rows:
         print("-" * 100)
@@ -223,14 +233,14 @@ def _inspect_concepts(run, args) -> None:
 
 
 def cmd_annotate_text(args) -> int:
-    from atlas.annotator import Annotator
     from atlas.core.rundir import RunDir
-    from atlas.stages.library import load_library
+    from atlas.io.library import load_library
+    from atlas.models.annotator import Annotator
 
     folder = Path(args.annotator)
     run_dir = folder if (folder / "manifest.json").exists() else None
     if run_dir is not None:
-        folder = RunDir(run_dir).output_dir("annotator")
+        folder = RunDir(run_dir).output_dir(layout.ANNOTATOR)
     concepts, _ = load_library(RunDir(run_dir or folder.parent))
     annotator = Annotator(folder).setup()
     annotator.check_library(concepts)
@@ -251,7 +261,7 @@ def cmd_annotate_text(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from atlas.stages.index import search_run
+    from atlas.tools.search import search_run
 
     for query, hits in zip(args.query, search_run(args.run_dir, args.query, args.k, args.nprobe)):
         print("=" * 100)
@@ -263,7 +273,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from atlas.export import export_release
+    from atlas.tools.export import export_release
 
     summary = export_release(args.run_dir, args.out)
     print(json.dumps(summary, indent=2))
@@ -272,7 +282,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from atlas.estimate import estimate
+    from atlas.tools.estimate import estimate
 
     config = _load(args)
     rows = estimate(config, args.sample_docs)
@@ -289,7 +299,7 @@ def cmd_estimate(args) -> int:
 def cmd_judge(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
-    from atlas.judge import judge_tags
+    from atlas.tools.judge import judge_tags
 
     manifest = RunDir(args.run_dir).read_manifest()
     if "tag" not in manifest.get("stages", {}):
@@ -303,19 +313,19 @@ def cmd_judge(args) -> int:
     config = config_from_dict(data)
     summary = judge_tags(config, sample=args.sample, seed=args.seed)
     print(json.dumps(summary, indent=2))
-    print(f"histograms and summary in {Path(args.run_dir) / 'report'}")
+    print(f"histograms and summary in {Path(args.run_dir) / layout.REPORT}")
     return 0
 
 
 def cmd_eval(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
-    from atlas.evaluate import evaluate_annotator, evaluate_library
+    from atlas.tools.evaluate import evaluate_annotator, evaluate_library
 
     run = RunDir(args.run_dir)
     manifest = run.read_manifest()
-    needed = {"library": run.output_dir("library") / "concepts.parquet",
-              "annotator": run.output_dir("annotator") / "heldout_predictions.parquet"}[args.what]
+    needed = {"library": run.output_dir(layout.LIBRARY) / "concepts.parquet",
+              "annotator": run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet"}[args.what]
     if not needed.exists():
         raise SystemExit(f"{args.run_dir}: no {args.what} yet ({needed} is missing); run the pipeline that far first")
     config = config_from_dict(manifest["config"])
@@ -324,19 +334,20 @@ def cmd_eval(args) -> int:
     else:
         summary = evaluate_annotator(config, args.label_field)
     print(json.dumps(summary, indent=2))
-    print(f"written to {run.root / 'report' / (args.what + ('_eval' if args.what == 'library' else '_probe') + '.json')}")
+    summary = args.what + ("_eval" if args.what == "library" else "_probe") + ".json"
+    print(f"written to {run.root / layout.REPORT / summary}")
     return 0
 
 
 def cmd_report(args) -> int:
-    from atlas.report import write_html_report
+    from atlas.tools.report import write_html_report
 
     print(write_html_report(args.run_dir))
     return 0
 
 
 def cmd_demo_corpus(args) -> int:
-    from atlas.demo_corpus import build_demo_corpus
+    from atlas.tools.demo_corpus import build_demo_corpus
 
     path, counts = build_demo_corpus(args.out)
     print(f"wrote {sum(counts.values())} documents to {path}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
@@ -346,7 +357,8 @@ def cmd_demo_corpus(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atlas",
-        description="Atlas: turn a text corpus into a concept library, annotated training shards and a concept-bottleneck LM.",
+        description="Atlas: turn a text corpus into a concept library, annotated training shards and a "
+                    "concept-bottleneck LM.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -358,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--input", help="input documents (file, glob or folder); overrides input.path")
         p.add_argument("--run-dir", help="run directory; overrides run_dir")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
-        p.add_argument("--force", action="store_true", help="recompute the stages even if done, or if the run dir holds another config")
+        p.add_argument("--force", action="store_true",
+                       help="recompute the stages even if done, or if the run dir holds another config")
 
     p = sub.add_parser("run", help="run the pipeline (skips what is already done)", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -379,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of tasks; task I runs the shards s with s %% N == I (default: one shard per task)")
     p.set_defaults(fn=cmd_stage)
 
-    p = sub.add_parser("status", help="per stage: state (running, interrupted, failed, done), shards, counters, drops, errors")
+    p = sub.add_parser("status",
+                       help="per stage: state (running, interrupted, failed, done), shards, counters, drops, errors")
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print the status as JSON rows")
     p.set_defaults(fn=cmd_status)
@@ -409,11 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("annotate-text", help="label texts with the trained annotator: concepts and scores",
-                       epilog='example: atlas annotate-text runs/demo "The integral of x squared is x cubed over three."',
+                       epilog='example: atlas annotate-text runs/demo '
+                              '"The integral of x squared is x cubed over three."',
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("annotator", help="a run directory, or an annotator folder (RUN/annotator)")
     p.add_argument("text", nargs="*", help="texts to label (none: read one text from standard input)")
-    p.add_argument("--top", type=int, default=0, help="show the N best-scored labels per domain instead of the decided ones")
+    p.add_argument("--top", type=int, default=0,
+                   help="show the N best-scored labels per domain instead of the decided ones")
     p.set_defaults(fn=cmd_annotate_text)
 
     p = sub.add_parser("search", help="the training chunks nearest to a query text (IVFPQ index)",
@@ -462,12 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "num_shards", "absent") is None:
         args.num_shards = 1 << 62  # one shard per task
     from atlas.config import ConfigError
-    from atlas.readers import InputError
+    from atlas.core.extras import MissingExtra
+    from atlas.io.inputs import InputError
     from atlas.runner import RunConflict, StageFailed
 
     try:
         return args.fn(args)
-    except (ConfigError, InputError, RunConflict, StageFailed, FileNotFoundError, FileExistsError) as e:
+    except (ConfigError, InputError, RunConflict, StageFailed, MissingExtra, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, (ConfigError, RunConflict)) else 1
     except OSError as e:  # a full disk, a read-only or unwritable run directory: every write is atomic

@@ -137,7 +137,8 @@ class LibraryConfig(Section):
     dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
     dedup_m: int = Field(default=20, ge=1)
     dedup_min_merged: float = Field(default=0.005, ge=0)  # repeat a tau while a pass merges more than this share
-    lift_min_support: int = Field(default=5, ge=1)  # a word must occur in this many of a concept's chunks to be "lifted"
+    # a word must occur in this many of a concept's chunks to be "lifted"
+    lift_min_support: int = Field(default=5, ge=1)
     # Auxiliary domains (paper 4.2.3), each a finite list in schemas/aux/<domain>.json. Their labels join
     # the library after the content concepts: one global id space, with per-domain offsets in config.json.
     aux_domains: list[str] = Field(default_factory=lambda: ["tone", "demographic", "alignment"])
@@ -176,7 +177,8 @@ class AnnotatorConfig(Section):
     label_frequency: float = Field(default=0.5, gt=0, le=1)
     pu_beta: float = Field(default=0.0, ge=0)  # nnPU: when the negative risk is below -beta ...
     pu_gamma: float = Field(default=1.0, ge=0)  # ... step on -gamma * (negative risk) instead
-    rarity_power: float = Field(default=0.5, ge=0)  # sampling weight of a chunk: mean over its concepts of count^-power
+    # sampling weight of a chunk: mean over its concepts of count^-power
+    rarity_power: float = Field(default=0.5, ge=0)
     # Decision rule: per-domain threshold and cap on the number of labels, chosen on the held-out split
     # (criterion: recall^2 / P(predicted), Lee & Liu 2003, which needs no negatives); fixed values override.
     max_caps: dict[str, Annotated[int, Field(ge=1)]] = Field(
@@ -208,9 +210,9 @@ class IndexConfig(Section):
     """FAISS IVFPQ over the chunk embeddings, for training-data attribution (paper 4.6)."""
 
     code_bytes: int = Field(default=64, ge=1)  # PQ code size per vector
-    nlist: int | None = None  # None: the documented rule in atlas.index.nlist_for
+    nlist: int | None = None  # None: the documented rule in atlas.models.ivfpq.nlist_for
     nprobe: int = Field(default=16, ge=1)  # coarse clusters searched (paper: recall@10 0.968 at 16)
-    on_disk: bool | None = None  # None: on-disk inverted lists above atlas.index's size threshold
+    on_disk: bool | None = None  # None: on-disk inverted lists above atlas.models.ivfpq's size threshold
     seed: int = 0
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from atlas.config import AtlasConfig, ConfigError, config_from_dict
+from atlas.core.extras import require
 from atlas.core.files import atomic_write_json, read_json, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
@@ -107,7 +108,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _describe_difference(old: dict, new: dict) -> str:
     a, b = _flatten(old), _flatten(new)
-    lines = [f"    {k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    lines = [f"    {k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}"
+             for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     return "\n".join(lines[:10]) or "    (the stages before it changed)"
 
 
@@ -137,7 +139,8 @@ def run_stages(
     if not manifest:
         manifest = {"name": config.name, "config": config_dict, "stages": {}}
     if not plan_only:  # lets `atlas status` tell a running run from a killed one
-        manifest["driver"] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        manifest["driver"] = {"pid": os.getpid(), "host": socket.gethostname(),
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     run.write_manifest(manifest)
     hashes: dict[str, str] = {name: info["hash"] for name, info in manifest.get("stages", {}).items()}
     reports = []
@@ -146,7 +149,8 @@ def run_stages(
         stage = STAGES[name](config)
         missing = [up for up in stage.upstream if up not in hashes]
         if missing:
-            raise StageFailed(f"{name}: needs stage(s) {missing} first; run them too, e.g. --stages {','.join([*missing, name])}")
+            raise StageFailed(f"{name}: needs stage(s) {missing} first; run them too, "
+                              f"e.g. --stages {','.join([*missing, name])}")
         identity = stage.identity()
         stage_hash = stage.stage_hash({up: hashes[up] for up in stage.upstream})
         previous = run.read_manifest().get("stages", {}).get(name)
@@ -182,13 +186,16 @@ def run_stages(
             log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
             continue
 
+        if not plan_only:  # a core install says which extra a stage needs before it writes anything
+            require(stage.extras(), f"stage '{name}'")
         started = time.time()
         manifest = run.read_manifest()
         if manifest.get("config") != config_dict:  # `atlas stage` (SLURM tasks) runs with the manifest's config
             run.write_manifest(dict(manifest, config=config_dict))
         report.num_shards = stage.plan(run, stage_hash)
         run.update_stage(name, hash=stage_hash, identity=identity, num_shards=report.num_shards,
-                         status="planned" if plan_only else "running", output=stage.output, failed_shards=[], errors={})
+                         status="planned" if plan_only else "running", output=stage.output, failed_shards=[],
+                         errors={})
         if plan_only:
             log(f"{name}: planned {report.num_shards} shard(s) in {run.output_dir(stage.output)}")
             continue

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _results import add_json_option, row, write_json  # noqa: E402
+
 from atlas.cblm import checkpoint  # noqa: E402
 from atlas.cblm.data import TokenData  # noqa: E402
 from atlas.cblm.generate import Codec, steering_effect  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> None:
             shutil.rmtree(Path(args.run) / "cblm" / name, ignore_errors=True)
         config = TrainConfig.from_overrides(args.run, base + [f"name={name}", f"concepts={concepts}"])
         started = time.perf_counter()
-        metrics = train(config, log=lambda msg: print(f"[{variant}] {msg}", flush=True))
+        metrics = train(config, log=lambda msg, variant=variant: print(f"[{variant}] {msg}", flush=True))
         metrics["seconds"] = time.perf_counter() - started
         results[variant] = metrics
 
@@ -123,13 +124,14 @@ def main() -> None:
         m = results[variant]
         print(f"| {variant} | {m['parameters']['total']:,} | {m['val_loss']:.4f} | {m['seconds']:.0f} |")
     print(f"\nval loss gap (concepts / baseline - 1): {concept['val_loss'] / baseline['val_loss'] - 1:+.2%}")
-    for key in ("concept_loss", "independence", "contribution", "contribution_known", "detection_auc", "alignment_overlap",
-                "alignment_overlap_random_concept", "alignment_overlap_centered",
+    for key in ("concept_loss", "independence", "contribution", "contribution_known", "detection_auc",
+                "alignment_overlap", "alignment_overlap_random_concept", "alignment_overlap_centered",
                 "alignment_overlap_centered_random_concept"):
         if key in concept:
             print(f"{key}: {concept[key]:.4f}")
     print(json.dumps(results["attribution"]))
-    print(f"\nsteering {args.steer!r} (concept {concept_id}), top lifted tokens {results['steering'][0]['lifted_tokens'][:20]}")
+    print(f"\nsteering {args.steer!r} (concept {concept_id}), "
+          f"top lifted tokens {results['steering'][0]['lifted_tokens'][:20]}")
     for s in results["steering"]:
         print(f"tau {s['strength']:g} (gamma {s['gamma']:.2f}, layers >= {s['layer']}): lifted-token frequency "
               f"{s['lifted_frequency_before']:.4f} -> {s['lifted_frequency_after']:.4f}")

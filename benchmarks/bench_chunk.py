@@ -18,8 +18,8 @@ from pathlib import Path
 
 import blingfire
 import pyarrow.parquet as pq
-
 from _results import add_json_option, row, write_json
+
 from atlas.config import ChunkConfig
 from atlas.core.stats import Stats
 from atlas.stages.chunk import Chunker

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _results import add_json_option, row, write_json  # noqa: E402
+
 from atlas.config import config_from_dict  # noqa: E402
 from atlas.core.rundir import RunDir  # noqa: E402
 
@@ -81,8 +82,8 @@ def annotate_all(source: RunDir, run: RunDir):
 
 def bench_throughput(source: RunDir, n_chunks: int) -> list[dict]:
     """Print the annotate and tokenize comparisons; return them as result rows."""
+    from atlas.models.tokenizer import cl100k
     from atlas.stages.tokenize import TokenizeStage
-    from atlas.tokenizer import cl100k
 
     chunks = pq.read_table(source.part_path("chunks", 0)).slice(0, n_chunks)
     texts = chunks.column("chunk_text").to_pylist()
@@ -92,7 +93,8 @@ def bench_throughput(source: RunDir, n_chunks: int) -> list[dict]:
         encoder = stage.annotator.embedder
         best = best_seconds(2, encode=lambda: encoder.encode(texts), stage=lambda: stage.run_shard(run, 0))
         print(f"annotate  {len(texts):>7,} chunks   bare encode {len(texts) / best['encode']:8.1f} chunks/s   "
-              f"stage {len(texts) / best['stage']:8.1f} chunks/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.85)")
+              f"stage {len(texts) / best['stage']:8.1f} chunks/s   "
+              f"ratio {best['encode'] / best['stage']:.2f} (goal >= 0.85)")
         rows = [row("corpus", f"annotate stage, {len(texts):,} chunks", len(texts) / best["stage"],
                     len(texts) / best["encode"], "chunks/s", "bare encoder encode", note="goal >= 0.85")]
 
@@ -102,10 +104,12 @@ def bench_throughput(source: RunDir, n_chunks: int) -> list[dict]:
         tokenizer.setup()
         encoding = cl100k()
         n_tokens = sum(len(t) for t in encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads))
-        best = best_seconds(3, encode=lambda: encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads),
+        best = best_seconds(3,
+                            encode=lambda: encoding.encode_ordinary_batch(texts, num_threads=config.tokenize.threads),
                             stage=lambda: tokenizer.run_shard(run, 0))
         print(f"tokenize  {n_tokens:>7,} tokens   encode_ordinary_batch {n_tokens / best['encode']:10,.0f} tokens/s   "
-              f"stage {n_tokens / best['stage']:10,.0f} tokens/s   ratio {best['encode'] / best['stage']:.2f} (goal >= 0.8)")
+              f"stage {n_tokens / best['stage']:10,.0f} tokens/s   "
+              f"ratio {best['encode'] / best['stage']:.2f} (goal >= 0.8)")
         rows.append(row("corpus", f"tokenize stage, {n_tokens:,} tokens", n_tokens / best["stage"],
                         n_tokens / best["encode"], "tokens/s", "tiktoken encode_ordinary_batch", note="goal >= 0.8"))
     return rows

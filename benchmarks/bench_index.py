@@ -1,13 +1,14 @@
-"""The IVFPQ attribution index (atlas.index) against an exact IndexFlatIP, on synthetic sentence-like embeddings.
+"""The IVFPQ attribution index (atlas.models.ivfpq) against an exact IndexFlatIP, on synthetic
+sentence-like embeddings.
 
     python benchmarks/bench_index.py [--n 1000000] [--d 384] [--code-bytes 64] [--seed 0] [--variants mem,disk]
                                      [--rerank 0,100] [--threads T] [--dup-frac 0.05] [--keep DIR] [--json PATH]
 
 data     = ``--n`` unit vectors, float16 in an ``np.memmap`` under a temporary folder (as ``embeddings.zarr`` stores
            them), generated in batches so memory stays bounded (see :func:`synthetic_embeddings`)
-atlas    = ``atlas.index.build_ivfpq`` with its defaults (nlist_for(n) lists, ``--code-bytes`` PQ code), loaded with
-           ``load_index`` (memory-mapped); ``mem`` keeps the lists in ``index.faiss``, ``disk`` writes each batch's
-           lists to a part file and merges them into ``invlists.ondisk``
+atlas    = ``atlas.models.ivfpq.build_ivfpq`` with its defaults (nlist_for(n) lists, ``--code-bytes`` PQ
+           code), loaded with ``load_index`` (memory-mapped); ``mem`` keeps the lists in ``index.faiss``,
+           ``disk`` writes each batch's lists to a part file and merges them into ``invlists.ondisk``
 baseline = ``faiss.IndexFlatIP`` over the same vectors in float32 (exact; it holds all of them in memory)
 
 Recall is the paper's: 1,000 indexed rows are searched (k = 10) and a hit is the row itself in its top 10, at
@@ -40,7 +41,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _results import add_json_option, row, write_json
 
 TOPICS = 4000
@@ -131,7 +131,7 @@ class _AnonPeak:
 
 
 def _queries_per_second(index, queries: np.ndarray, **kwargs) -> float:
-    from atlas.index import search
+    from atlas.models.ivfpq import search
 
     best = float("inf")
     for _ in range(REPEATS):
@@ -142,7 +142,7 @@ def _queries_per_second(index, queries: np.ndarray, **kwargs) -> float:
 
 
 def _phase_build(data: str, folder: str, on_disk: bool, code_bytes: int, threads: int | None) -> dict:
-    from atlas.index import build_ivfpq
+    from atlas.models.ivfpq import build_ivfpq
 
     anon = _AnonPeak()
     vectors = np.load(data, mmap_mode="r")
@@ -151,7 +151,7 @@ def _phase_build(data: str, folder: str, on_disk: bool, code_bytes: int, threads
 
 
 def _phase_search(data: str, folder: str, reranks: list[int], seed: int, threads: int | None) -> dict:
-    from atlas.index import load_index, self_recall
+    from atlas.models.ivfpq import load_index, self_recall
 
     anon = _AnonPeak()
     vectors = np.load(data, mmap_mode="r")
@@ -171,7 +171,7 @@ def _phase_search(data: str, folder: str, reranks: list[int], seed: int, threads
 def _phase_flat(data: str, seed: int, threads: int | None) -> dict:
     import faiss
 
-    from atlas.index import self_recall
+    from atlas.models.ivfpq import self_recall
 
     if threads is not None:
         faiss.omp_set_num_threads(threads)
@@ -238,7 +238,7 @@ def main() -> None:
 
     import faiss
 
-    from atlas.index import nlist_for
+    from atlas.models.ivfpq import nlist_for
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_index_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 
 data     = ``--n`` synthetic unit vectors: a uniform mixture of 2,000 random directions plus Gaussian noise of
            norm ~1 (cosine ~0.7 to their direction), float32
-atlas    = ``atlas.clustering.kmeans(x, k)`` (FAISS spherical k-means, at most 20 iterations on a subsample of
+atlas    = ``atlas.models.kmeans.kmeans(x, k)`` (FAISS spherical k-means, at most 20 iterations on a subsample of
            k * 256 points) + ``assign(x, centroids)`` over all n points
 baseline = ``MiniBatchKMeans(k, batch_size=4096, n_init=1, max_iter=20, random_state=seed).fit(x)`` +
            ``.predict(x)``; at most 20 passes over the data, usually far fewer because of its early stopping
@@ -33,11 +33,11 @@ import time
 
 import faiss
 import numpy as np
+from _results import add_json_option, row, write_json
 from sklearn.cluster import MiniBatchKMeans, kmeans_plusplus
 from threadpoolctl import threadpool_limits
 
-from _results import add_json_option, row, write_json
-from atlas.clustering import assign, kmeans
+from atlas.models.kmeans import assign, kmeans
 
 DIRECTIONS = 2000
 NOISE = 1.0  # norm of the noise vector, relative to the unit direction

@@ -3,8 +3,8 @@
     python benchmarks/bench_louvain.py [--n 50000] [--dim 384] [--m 20] [--tau 0.9] [--seed 0] [--repeats 3]
                                       [--json PATH]
 
-graph    = atlas.communities.knn_graph: exact FAISS kNN (m neighbours, cosine >= tau), reported on its own
-atlas    = atlas.communities.louvain (python-louvain) on that graph, networkx graph construction included
+graph    = atlas.models.louvain.knn_graph: exact FAISS kNN (m neighbours, cosine >= tau), reported on its own
+atlas    = atlas.models.louvain.louvain (python-louvain) on that graph, networkx graph construction included
 baseline = networkx.algorithms.community.louvain_communities on the same edges, graph construction included
 
 The synthetic concepts mimic a concept library before deduplication: ``--bases`` distinct concepts grouped in
@@ -24,10 +24,10 @@ import time
 
 import networkx as nx
 import numpy as np
+from _results import add_json_option, row, write_json
 from networkx.algorithms.community import louvain_communities, modularity
 
-from _results import add_json_option, row, write_json
-from atlas.communities import knn_graph, louvain
+from atlas.models.louvain import knn_graph, louvain
 
 
 def synthetic_concepts(n: int, dim: int, n_bases: int, n_topics: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

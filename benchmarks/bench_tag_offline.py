@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
-
 from _results import add_json_option, row, write_json
+
 from atlas.config import load_config
 from atlas.stages.tag import TagStage
 

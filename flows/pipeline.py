@@ -34,7 +34,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 from atlas.config import AtlasConfig, ConfigError, ExecutionConfig, config_from_dict, load_config
 from atlas.core.rundir import RunDir
 from atlas.runner import StageReport, run_one_shard, run_stages
-from atlas.status import status_rows
+from atlas.tools.status import status_rows
 
 
 @task(name="shard", task_run_name="{stage_name}-{shard:05d}")
@@ -67,7 +67,8 @@ def _ray_options_context(stage_name: str, options: dict):
     return remote_options(**options)
 
 
-def map_with_prefect(config: dict, stage_name: str, shards: Sequence[int], stage_hash: str) -> list[BaseException | None]:
+def map_with_prefect(config: dict, stage_name: str, shards: Sequence[int],
+                     stage_hash: str) -> list[BaseException | None]:
     """Submit one task per shard to the flow's task runner; collect failures instead of raising."""
     from tqdm.auto import tqdm
 
@@ -144,7 +145,8 @@ def _api_for_ray_workers(execution: ExecutionConfig):
     return temporary_settings({PREFECT_API_URL: server.api_url})
 
 
-def run_with_prefect(config: AtlasConfig, stages: Sequence[str] | None = None, force: bool = False) -> list[StageReport]:
+def run_with_prefect(config: AtlasConfig, stages: Sequence[str] | None = None,
+                     force: bool = False) -> list[StageReport]:
     flow_fn = atlas_pipeline.with_options(task_runner=make_task_runner(config.execution))
     with _api_for_ray_workers(config.execution):
         reports = flow_fn(config.model_dump(), list(stages) if stages else None, force)

@@ -19,7 +19,7 @@ SHARED_DATA = REPO.parent / "shared" / "data" / "dev"
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory) -> Path:
     """The README demo corpus (real text installed with Python), built once per test run."""
-    from atlas.demo_corpus import build_demo_corpus
+    from atlas.tools.demo_corpus import build_demo_corpus
 
     path, _ = build_demo_corpus(tmp_path_factory.mktemp("demo") / "corpus.jsonl")
     return path

@@ -7,12 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from atlas.annotator import (Annotator, AnnotatorHeads, AnnotatorSpec, annotator_loss, choose_rule, decide,
-                             masked_bce_positive, nn_pu_risk, pu_priors, save_annotator)
-from atlas.auxiliary import AuxDomain, calibrated_labels, load_aux_domains
-from atlas.evaluate import ranking_metrics
+from atlas.llm.answers import SchemaError
+from atlas.models.annotator import (
+    Annotator,
+    AnnotatorHeads,
+    AnnotatorSpec,
+    annotator_loss,
+    choose_rule,
+    decide,
+    masked_bce_positive,
+    nn_pu_risk,
+    pu_priors,
+    save_annotator,
+)
+from atlas.models.auxiliary import AuxDomain, calibrated_labels, load_aux_domains
+from atlas.models.pu_metrics import ranking_metrics
 from atlas.stages.targets import build_reservoir, heldout_split
-from atlas.tagging import SchemaError
 
 
 def softplus(x: float) -> float:

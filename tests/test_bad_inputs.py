@@ -13,7 +13,6 @@ shard markers removed, as after a kill) so that the command really reads the dam
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np

@@ -15,12 +15,20 @@ from safetensors.torch import load_file
 from atlas.cblm import checkpoint
 from atlas.cblm.data import TokenData
 from atlas.cblm.generate import Codec, generate, steering_for
-from atlas.cblm.losses import (chunk_probabilities, compute, concept_loss, independence_loss, lm_loss, mask_blocks,
-                               reconstruction_loss)
+from atlas.cblm.losses import (
+    chunk_probabilities,
+    compute,
+    concept_loss,
+    independence_loss,
+    lm_loss,
+    mask_blocks,
+    reconstruction_loss,
+)
 from atlas.cblm.model import CBLM, ModelConfig, block_causal_mask
 from atlas.cblm.train import TrainConfig, alphas_at, lr_at, train
-from atlas.stages.tokenize import INDEX_SCHEMA, chunk_stream
-from atlas.tokenizer import BOS, EOC, MASK, cl100k
+from atlas.io.tokens import INDEX_SCHEMA
+from atlas.models.tokenizer import BOS, EOC, MASK, cl100k
+from atlas.stages.tokenize import chunk_stream
 
 N_CONCEPTS = 6
 TINY = ["d_model=16", "n_head=2", "n_layer=1", "seq_len=16", "batch_size=4", "unknown_rank=4", "eval_batches=2",
@@ -67,7 +75,8 @@ def tiny_run(tmp_path_factory):
         pq.write_table(pa.table({
             "chunk_id": [f"d{shard}:{i:05d}" for i in range(30)], "doc_id": [f"d{shard}:{i // 3}" for i in range(30)],
             "token_start": spans[:, 0], "token_end": spans[:, 1], "n_tokens": [len(t) for t in tokens],
-            "doc_end_flag": ends, "concepts": concepts}, schema=INDEX_SCHEMA), root / "tokens" / f"part-{shard:05d}.parquet")
+            "doc_end_flag": ends, "concepts": concepts}, schema=INDEX_SCHEMA),
+            root / "tokens" / f"part-{shard:05d}.parquet")
     return root
 
 

@@ -11,9 +11,19 @@ import pytest
 import torch
 
 from atlas.cblm import checkpoint
-from atlas.cblm.attribution import (Transducer, build_training_attribution, concept_attribution,
-                                    hidden_from_embeddings, input_attribution, load_transducer, mean_cos,
-                                    pooled_chunk_states, save_transducer, top_concepts, train_transducer)
+from atlas.cblm.attribution import (
+    Transducer,
+    build_training_attribution,
+    concept_attribution,
+    hidden_from_embeddings,
+    input_attribution,
+    load_transducer,
+    mean_cos,
+    pooled_chunk_states,
+    save_transducer,
+    top_concepts,
+    train_transducer,
+)
 from atlas.cblm.data import TokenData
 from atlas.cblm.model import CBLM, ModelConfig
 
@@ -68,7 +78,7 @@ def test_zeroing_a_concept_removes_exactly_its_term():
     terms = concept_attribution(model, idx, targets)
     before = gathered(model(idx)[0], targets)
     for c in (0, 3):
-        after = gathered(model(idx, edit=lambda k: k.index_fill(-1, torch.tensor([c]), 0.0))[0], targets)
+        after = gathered(model(idx, edit=lambda k, c=c: k.index_fill(-1, torch.tensor([c]), 0.0))[0], targets)
         torch.testing.assert_close(after - before, -terms["known"][..., c], atol=1e-4, rtol=0)
 
 
@@ -153,8 +163,8 @@ def test_transducer_learns_and_round_trips(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    from atlas.embeddings import create_store, finish, write_rows
-    from atlas.index import build_ivfpq
+    from atlas.io.embedding_store import create_store, finish, write_rows
+    from atlas.models.ivfpq import build_ivfpq
 
     root = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(0)

@@ -9,7 +9,8 @@ from atlas.cli import main
 
 
 def test_help_lists_commands_and_examples():
-    out = subprocess.run([sys.executable, "-m", "atlas.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "atlas.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
     for word in ("run", "plan", "stage", "status", "inspect", "demo-corpus", "examples:"):
         assert word in out
 
@@ -26,7 +27,8 @@ def test_slurm_style_plan_then_shards_then_finalize(tmp_path, demo_records, caps
     assert "chunk shard 00002: done" in out and "chunk shard 00001: already done" in out
     assert main(["status", run_dir]) == 0
     assert re.search(r"chunk +planned +3/3", capsys.readouterr().out)  # all shards done; the stage not finalized
-    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0  # finalizes: writes stats and _SUCCESS
+    # finalizes: writes stats and _SUCCESS
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     assert "chunk: 0 shard(s) to run, 3 already done" in capsys.readouterr().out
     assert main(["status", run_dir]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Spherical k-means, batched assignment, quality metrics and the k grid (atlas.clustering)."""
+"""Spherical k-means, batched assignment, quality metrics and the k grid (atlas.models.kmeans)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("sklearn")
 
 from sklearn.metrics import adjusted_rand_score  # noqa: E402
 
-from atlas.clustering import assign, cluster_quality, k_grid, kmeans  # noqa: E402
+from atlas.models.kmeans import assign, cluster_quality, k_grid, kmeans  # noqa: E402
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

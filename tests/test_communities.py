@@ -1,4 +1,4 @@
-"""kNN similarity graph and Louvain communities for near-duplicate concepts (atlas.communities)."""
+"""kNN similarity graph and Louvain communities for near-duplicate concepts (atlas.models.louvain)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("faiss")
 pytest.importorskip("community")
 
-from atlas.communities import knn_graph, louvain, merge_pass  # noqa: E402
+from atlas.models.louvain import knn_graph, louvain, merge_pass  # noqa: E402
 
 N_GROUPS, GROUP_SIZE, DIM = 50, 4, 64
 

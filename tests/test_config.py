@@ -12,9 +12,11 @@ def _load_text(tmp_path, text, overrides=()):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("chunk: {max_sentence_tokns: 3}", "chunk.max_sentence_tokns: unknown key; did you mean 'max_sentence_tokens'?"),
+        ("chunk: {max_sentence_tokns: 3}",
+         "chunk.max_sentence_tokns: unknown key; did you mean 'max_sentence_tokens'?"),
         ("inptu: {path: x}", "inptu: unknown key; did you mean 'input'?"),
-        ("chunk: {domains: {web: {max_tokns: 3}}}", "chunk.domains.web.max_tokns: unknown key; did you mean 'max_tokens'?"),
+        ("chunk: {domains: {web: {max_tokns: 3}}}",
+         "chunk.domains.web.max_tokns: unknown key; did you mean 'max_tokens'?"),
         ("execution: {workers: 0}", "execution.workers: Input should be greater than or equal to 1"),
         ("chunk: {domains: {code: {max_tokens: 9, splitter: words}}}", "chunk.domains.code.splitter"),
     ],

@@ -12,13 +12,14 @@ import pyarrow.dataset as ds
 import pytest
 import yaml
 
-from atlas.annotator import Annotator
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
-from atlas.embeddings import open_embeddings, owned_rows
+from atlas.io.embedding_store import open_embeddings, owned_rows
+from atlas.io.tokens import TokenShards
+from atlas.models.annotator import Annotator
+from atlas.models.tokenizer import BOS, ENDOFTEXT, EOC, cl100k
 from atlas.runner import run_stages
-from atlas.stages.tokenize import TokenShards, chunk_stream
-from atlas.tokenizer import BOS, ENDOFTEXT, EOC, cl100k
+from atlas.stages.tokenize import chunk_stream
 
 # Tiny storage chunks and blocks, so that shards share storage chunks and blocks split shards.
 SMALL = {"annotate": {"zarr_chunk_rows": 7, "block_rows": 5}, "tokenize": {"block_rows": 6}}
@@ -158,7 +159,8 @@ def test_index_search_and_export(corpus, capsys):
     id_map = pq.read_table(run.part_path("index", 0)).column("chunk_id").to_pylist()
     assert id_map == open_embeddings(run.root)["chunk_id"][:].tolist()
 
-    texts = ds.dataset(run.output_dir("annotated"), format="parquet").to_table(columns=["chunk_id", "text"]).to_pydict()
+    texts = (ds.dataset(run.output_dir("annotated"), format="parquet").to_table(columns=["chunk_id", "text"])
+             .to_pydict())
     capsys.readouterr()
     assert main(["search", str(run.root), texts["text"][3], "-k", "3"]) == 0
     out = capsys.readouterr().out

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -84,7 +83,8 @@ def pipeline(tmp_path_factory, demo_records):
     """A 24-document config through every stage, and the data files of its uninterrupted run."""
     folder = tmp_path_factory.mktemp("faults")
     sources = ("python-docs", "python-math-docs", "python-stdlib")
-    docs = write_jsonl(folder / "docs.jsonl", [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
+    docs = write_jsonl(folder / "docs.jsonl",
+                       [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
     config = write_config(folder, docs, input={"docs_per_shard": 6}, **SMALL)
     finish(atlas_run(config))
     return config, data_files(folder / "run")
@@ -130,7 +130,8 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
     assert len(kills) >= 16 and len(killed_in & set(STAGES)) >= 10, kills
     assert data_files(run_dir) == reference
 
-    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True,
+                            text=True)
     assert "interrupted" not in status.stdout and status.stdout.count(" done ") >= len(STAGES)
 
 
@@ -143,7 +144,8 @@ def test_status_says_interrupted_after_a_kill(pipeline, tmp_path):
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate()
-    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True, text=True)
+    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True,
+                            text=True)
     assert "tag              interrupted" in status.stdout and "rerun the same command to resume" in status.stdout
 
 
@@ -230,17 +232,18 @@ def test_llm_endpoint_faults_at_30_percent_the_library_completes_and_accounts_fo
     """Tagging, coherence judging, labeling and auxiliary labels all go through the `openai` engine against a
     loopback server that spoils 30% of its answers (bad JSON, cut short, off-schema, HTTP 500/429, stalls)."""
     from fault_server import FaultServer
+    from test_tag_stage import accounted
 
     from atlas.config import load_config
     from atlas.core.rundir import RunDir
     from atlas.runner import run_stages
-    from test_tag_stage import accounted
 
     docs = write_jsonl(tmp_path / "docs.jsonl", [r for r in demo_records if r["data_src"] == "python-docs"][:10])
     with FaultServer(mode="mixed", fault_rate=0.3, seed=7, hang_s=1.5) as server:
         llm = {"engine": "openai", "base_url": server.base_url, "model": "m", "timeout_s": 1.0, "max_retries": 2,
                "backoff_s": 0.01, "max_concurrency": 8}
-        config = load_config(write_config(tmp_path, docs, llm=llm, **{k: SMALL[k] for k in ("library", "tag", "annotator")}))
+        config = load_config(write_config(tmp_path, docs, llm=llm,
+                                          **{k: SMALL[k] for k in ("library", "tag", "annotator")}))
         run_stages(config, ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library", "targets"],
                    log=lambda m: None)
     faults = len(server.served) - server.served.count("ok")

@@ -29,11 +29,13 @@ def larger_input(tmp_path_factory, demo_records) -> Path:
 @pytest.fixture(scope="module")
 def reference_outputs(tmp_path_factory, larger_input) -> dict:
     folder = tmp_path_factory.mktemp("reference")
-    run_stages(load_config(write_config(folder, larger_input, input={"docs_per_shard": 20})), ["chunk"], log=lambda m: None)
+    run_stages(load_config(write_config(folder, larger_input, input={"docs_per_shard": 20})), ["chunk"],
+               log=lambda m: None)
     return outputs(folder / "run")
 
 
-def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger_input, reference_outputs, prefect_harness):
+def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger_input, reference_outputs,
+                                                                prefect_harness):
     from flows.pipeline import run_with_prefect
 
     config = load_config(write_config(tmp_path, larger_input, input={"docs_per_shard": 20},
@@ -52,7 +54,8 @@ def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger
         async with get_client() as client:
             latest = await client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=72)
             # POSTed by hand: this Prefect's client sends null filters that its own server rejects
-            body = {"artifacts": {"key": {"any_": ["atlas-status", "atlas-chunk"]}}, "sort": "CREATED_DESC", "limit": 50}
+            body = {"artifacts": {"key": {"any_": ["atlas-status", "atlas-chunk"]}}, "sort": "CREATED_DESC",
+                    "limit": 50}
             response = await client._client.post("/artifacts/filter", json=body)
             return latest, response.json()
     latest, artifacts = asyncio.run(read_back())

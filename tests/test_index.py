@@ -8,9 +8,17 @@ import faiss
 import numpy as np
 import pytest
 
-import atlas.index
-from atlas.index import (INDEX_FILE, INVLISTS_FILE, build_ivfpq, load_index, nlist_for, pq_m_for, search,
-                         self_recall)
+import atlas.models.ivfpq
+from atlas.models.ivfpq import (
+    INDEX_FILE,
+    INVLISTS_FILE,
+    build_ivfpq,
+    load_index,
+    nlist_for,
+    pq_m_for,
+    search,
+    self_recall,
+)
 
 N, D = 20_000, 64
 # 8-byte codes (8 dims per sub-quantizer, one of FAISS' fast cases) keep the two 20k builds to a second or two; one
@@ -35,7 +43,7 @@ def built(vectors, tmp_path_factory) -> dict:
     of 3,000 rows each, the last one shorter)."""
     root = tmp_path_factory.mktemp("index")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(atlas.index, "PART_ROWS", 6000)
+        patch.setattr(atlas.models.ivfpq, "PART_ROWS", 6000)
         disk = build_ivfpq(vectors, root / "disk", on_disk=True, batch_size=3000, **BUILD)
     mem = build_ivfpq(vectors, root / "mem", on_disk=False, **BUILD)
     return {"mem": (root / "mem", mem), "disk": (root / "disk", disk)}
@@ -117,7 +125,7 @@ def test_fast_encoder_matches_faiss(d, code_bytes, nlist):
     """build_ivfpq encodes through its own BLAS path (_Encoder): the codes must be FAISS' sa_encode's, byte for byte,
     for sub-vectors of 8 dims (a fast FAISS kernel), 6 dims (the slow one, as with 384 dims in 64 bytes) and 4 dims
     with nlist 1 (no list number bytes)."""
-    from atlas.index import _Encoder, _train
+    from atlas.models.ivfpq import _Encoder, _train
 
     x = unit_vectors(2000, d, seed=5)
     index = _train(x, len(x), d, nlist, pq_m_for(d, code_bytes), len(x), 1000, seed=0)
@@ -189,7 +197,7 @@ def test_zarr_float16_input(tmp_path):
 def test_on_disk_parts_hold_lists_only(tmp_path, monkeypatch):
     """Each part file holds its rows' codes and ids and nothing else: no copy of the coarse centroids (a partial index
     would carry nlist * d * 4 bytes per part, 16 KB here, as much as the codes)."""
-    monkeypatch.setattr(atlas.index, "PART_ROWS", 1000)
+    monkeypatch.setattr(atlas.models.ivfpq, "PART_ROWS", 1000)
     x = unit_vectors(3000, D, seed=6)
     seen = {}
 

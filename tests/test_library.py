@@ -12,10 +12,10 @@ from test_tag_stage import openai_sections
 from atlas.cli import main
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
+from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
 from atlas.stages.cluster import choose_k
 from atlas.stages.coherence import cohesion_score, strata
-from atlas.stages.label import make_unique
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library"]
@@ -23,7 +23,8 @@ STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "
 
 def library_files(run_dir):
     folder = run_dir / "library"
-    return {name: (folder / name).read_bytes() for name in ("concepts.parquet", "tag_to_concept.parquet", "config.json")}
+    return {name: (folder / name).read_bytes()
+            for name in ("concepts.parquet", "tag_to_concept.parquet", "config.json")}
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import time
 
 import jsonschema
 import pytest
+from fault_server import FaultServer, prompt_words
 
 from atlas.config import LLMConfig
 from atlas.llm.engine import LLMRequest, make_engine, strip_extensions
 from atlas.llm.openai_engine import OpenAIEngine
-from fault_server import FaultServer, prompt_words
 
 SCHEMA = {
     "type": "object",

@@ -8,7 +8,7 @@ import zstandard
 from conftest import write_jsonl
 
 from atlas.config import InputConfig
-from atlas.readers import Document, InputError, Reject, plan_shards, read_shard
+from atlas.io.inputs import Document, InputError, Reject, plan_shards, read_shard
 
 
 def read_all(cfg: InputConfig):

@@ -12,8 +12,8 @@ import pytest
 from conftest import write_config, write_jsonl
 
 from atlas.cli import main
-from atlas.report import refresh_report, write_html_report
 from atlas.stages import STAGES
+from atlas.tools.report import refresh_report, write_html_report
 
 _VOID = {"meta", "img", "br", "hr", "link", "input"}
 

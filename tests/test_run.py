@@ -11,8 +11,8 @@ from conftest import write_config, write_jsonl
 from atlas.cli import main
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
-from atlas.runner import RunConflict, run_stages
-from atlas.stages.chunk import CHUNK_SCHEMA
+from atlas.io.chunks import CHUNK_SCHEMA
+from atlas.runner import run_stages
 
 
 def outputs(run_dir):
@@ -78,7 +78,8 @@ def test_a_run_dir_of_another_config_is_refused_unless_forced(tmp_path, small_in
     assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     academic_before = pq.read_table(tmp_path / "run" / "chunks", filters=[("domain", "=", "academic")]).num_rows
     capsys.readouterr()
-    changed = ["run", str(config_path), "--inline", "--stages", "chunk", "--set", "chunk.domains.academic.max_tokens=60"]
+    changed = ["run", str(config_path), "--inline", "--stages", "chunk", "--set",
+               "chunk.domains.academic.max_tokens=60"]
     assert main(changed) == 2
     err = capsys.readouterr().err
     assert "already holds stage 'chunk' computed with a different configuration" in err
@@ -86,7 +87,8 @@ def test_a_run_dir_of_another_config_is_refused_unless_forced(tmp_path, small_in
     # workers and progress do not change results, so they are not a conflict
     assert main(["run", str(config_path), "--inline", "--stages", "chunk", "--set", "execution.workers=1"]) == 0
     assert main([*changed, "--force"]) == 0
-    assert pq.read_table(tmp_path / "run" / "chunks", filters=[("domain", "=", "academic")]).num_rows > 2 * academic_before
+    assert (pq.read_table(tmp_path / "run" / "chunks", filters=[("domain", "=", "academic")]).num_rows
+            > 2 * academic_before)
 
 
 def test_changed_input_is_a_conflict(tmp_path, small_input, capsys):

@@ -22,8 +22,8 @@ from fault_server import FaultServer
 from atlas.cblm.train import TrainConfig
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
-from atlas.embed import Embedder, minilm_path
-from atlas.embeddings import open_embeddings
+from atlas.io.embedding_store import open_embeddings
+from atlas.models.embedder import Embedder, minilm_path
 from atlas.runner import run_stages
 
 

@@ -16,8 +16,9 @@ from test_run import outputs
 from atlas.cli import main
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
+from atlas.io.tags import TAG_SCHEMA
 from atlas.runner import run_stages
-from atlas.stages.tag import QUARANTINE_SCHEMA, TAG_SCHEMA
+from atlas.stages.tag import QUARANTINE_SCHEMA
 
 TAGGING = ["chunk", "tag"]  # these tests stop after tagging; the library has its own tests
 
@@ -132,7 +133,8 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
         sections = openai_sections(server, tag={"batch_size": 2}, max_concurrency=1)
         config_path = write_config(tmp_path, docs, **sections, execution={"progress": False})
         command = [sys.executable, "-m", "atlas.cli", "run", str(config_path), "--inline", "--stages", "chunk,tag"]
-        process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline and len(server.requests) < 12:
             time.sleep(0.02)
@@ -161,7 +163,7 @@ def test_killed_tagging_resumes_from_the_cache_without_asking_again(tmp_path, do
 
 
 def test_llm_relevance_judge_uses_the_papers_prompt(tmp_path, docs):
-    from atlas.judge import judge_tags
+    from atlas.tools.judge import judge_tags
 
     with FaultServer(mode="ok") as server:
         config = load_config(write_config(tmp_path, docs, **openai_sections(server)))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from atlas.config import TagConfig
+from atlas.llm.answers import SchemaError, load_schemas, normalize_tag, parse_answer
 from atlas.llm.offline import candidate_phrases, mmr, proxy_score
 from atlas.llm.prompts import PromptError, load_prompt
 from atlas.stages.tag import PROMPT_PLACEHOLDERS, _prompt_path
-from atlas.tagging import SchemaError, load_schemas, normalize_tag, parse_answer
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,8 @@ def test_every_shipped_schema_and_the_prompt_are_valid(schemas):
 def test_broken_prompt_and_schema_files_are_named(tmp_path):
     bad = tmp_path / "tag.yaml"
     bad.write_text("version: 1\nsystem: hi\nuser: 'no text here {domain}'\nrepair: '{problem} {field_names}'\n")
-    with pytest.raises(PromptError, match=r"tag.yaml: template 'user' lacks placeholder\(s\) \['domain_description', 'fields', 'text'\]"):
+    with pytest.raises(PromptError, match=r"tag.yaml: template 'user' lacks placeholder\(s\) "
+                                          r"\['domain_description', 'fields', 'text'\]"):
         load_prompt(bad, PROMPT_PLACEHOLDERS)
     bad.write_text("version: 1\nsystem: hi {oops}\nuser: x\nrepair: y\n")
     with pytest.raises(PromptError, match="unknown placeholder"):
@@ -94,7 +95,8 @@ def test_unusable_answers_get_a_reason(schemas, text, finish, reason):
 def test_candidate_phrases_and_mmr():
     phrases = candidate_phrases("The Apollo program landed astronauts on the Moon. The Apollo program ended in 1972.")
     assert phrases[0] == "apollo program" and "the" not in phrases
-    code = candidate_phrases('def binary_search(sortedList, target):\n    """Bisection search."""\n    return -1', code=True)
+    code = candidate_phrases('def binary_search(sortedList, target):\n    """Bisection search."""\n    return -1',
+                             code=True)
     assert {"binary search", "sorted", "bisection search"} <= set(code) and "def" not in code
     doc = np.array([1.0, 0.0])
     vectors = np.array([[1.0, 0.0], [0.99, 0.141], [0.6, 0.8]])

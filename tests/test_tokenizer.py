@@ -1,6 +1,6 @@
 import tiktoken
 
-from atlas import tokenizer
+from atlas.models import tokenizer
 
 
 def test_ids_are_cl100k_base_and_special_tokens_are_the_papers():

@@ -13,8 +13,8 @@ from test_tag_stage import openai_sections
 
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
+from atlas.io.tags import load_vocab
 from atlas.runner import run_stages
-from atlas.stages.vocab import load_vocab
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 
@@ -33,7 +33,8 @@ def test_vocabulary_counts_chunks_and_cached_embeddings(tmp_path, demo_records):
 
     table, vectors = load_vocab(run)
     rows = table.to_pylist()
-    assert [r["tag_norm"] for r in rows] == sorted((t for t in counts if counts[t] >= 2), key=lambda t: (-counts[t], t))
+    assert [r["tag_norm"] for r in rows] == sorted((t for t in counts if counts[t] >= 2),
+                                                   key=lambda t: (-counts[t], t))
     for r in rows:
         assert r["count"] == counts[r["tag_norm"]] and r["chunk_ids"] == sorted(chunks[r["tag_norm"]])
         assert r["n_chunks"] == len(r["chunk_ids"]) and r["fields"] and r["variants"]

@@ -240,11 +240,11 @@ def nearest_training_chunks(run_dir: str | Path, transducer: Transducer, states:
     """The ``k`` training chunks nearest to each transduced state [Q, d], [(chunk_id, cosine)] best first, from the
     run's index (RUN/index unless ``index_folder``); index row i is row i of RUN/embeddings.zarr."""
     from atlas.core.rundir import RunDir
-    from atlas.embeddings import open_embeddings
-    from atlas.index import load_index, search
-    from atlas.stages.index import IndexStage
+    from atlas.io import layout
+    from atlas.io.embedding_store import open_embeddings
+    from atlas.models.ivfpq import load_index, search
 
-    folder = Path(index_folder) if index_folder else RunDir(run_dir).output_dir(IndexStage.output)
+    folder = Path(index_folder) if index_folder else RunDir(run_dir).output_dir(layout.INDEX)
     index = load_index(folder, nprobe=nprobe)
     device = next(transducer.parameters()).device
     with torch.no_grad():
@@ -270,7 +270,7 @@ def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hi
     the validation windows that no training window touches)."""
     from atlas.cblm import checkpoint
     from atlas.cblm.data import TokenData
-    from atlas.embeddings import open_embeddings
+    from atlas.io.embedding_store import open_embeddings
 
     model, state = checkpoint.load(Path(model_folder), device)
     data = TokenData(run_dir, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])

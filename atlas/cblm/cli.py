@@ -18,7 +18,8 @@ EXAMPLES = """examples:
   atlas cblm train runs/demo --baseline                 # the same backbone and budget without the concept module
   atlas cblm train runs/demo --name diff --set objective=diffusion --set block_size=16
   atlas cblm eval runs/demo/cblm/cblm
-  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "python programming" --strength 4 --compare
+  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "python programming" \
+--strength 4 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"
 """
@@ -26,7 +27,7 @@ EXAMPLES = """examples:
 
 def _concept_names(run_dir: Path) -> list[str]:
     from atlas.core.rundir import RunDir
-    from atlas.stages.library import load_library
+    from atlas.io.library import load_library
 
     concepts, _ = load_library(RunDir(run_dir))
     return [c["name"] for c in concepts]
@@ -46,7 +47,7 @@ def find_concept(names: list[str], query: str) -> int:
 
 def cmd_train(args) -> int:
     from atlas.cblm.train import TrainConfig, train
-    from atlas.report import refresh_report
+    from atlas.tools.report import refresh_report
 
     overrides = list(args.set or [])
     if args.baseline:
@@ -116,8 +117,14 @@ def cmd_attribute(args) -> int:
     import torch
 
     from atlas.cblm import checkpoint
-    from atlas.cblm.attribution import (TRANSDUCER, concept_attribution, input_attribution, load_transducer,
-                                        nearest_training_chunks, top_concepts)
+    from atlas.cblm.attribution import (
+        TRANSDUCER,
+        concept_attribution,
+        input_attribution,
+        load_transducer,
+        nearest_training_chunks,
+        top_concepts,
+    )
     from atlas.cblm.generate import Codec
 
     model, state = checkpoint.load(Path(args.model), args.device)

@@ -1,9 +1,9 @@
 """Training windows from a run's token shards (written by the ``tokenize`` stage), in a compact vocabulary.
 
 The tokenize stage writes, per shard, a uint32 token stream and an index with each chunk's span
-[token_start, token_end) in the stream and its concept ids (read here through its ``TokenShards``).
+[token_start, token_end) in the stream and its concept ids, read here through ``atlas.io.tokens.TokenShards``.
 Spans tile the stream, so every token belongs to exactly one chunk. ``TokenData`` cuts each stream into
-non-overlapping windows of ``seq_len + 1`` tokens (AR inputs are the first seq_len, targets the last seq_len) and
+windows of ``seq_len + 1`` tokens (AR inputs are the first seq_len, targets the last seq_len) and
 keeps, for every token, the row of its chunk, so a batch comes with the multi-hot concepts of the chunks it touches.
 
 The last ``val_fraction`` of each shard's windows is held out: the windows are contiguous, so this keeps all but
@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from atlas.stages.tokenize import TokenShards
-from atlas.tokenizer import BOS, ENDOFTEXT, EOC, MASK, PAD, VOCAB_SIZE
+from atlas.io import layout
+from atlas.io.tokens import TokenShards
+from atlas.models.tokenizer import BOS, ENDOFTEXT, EOC, MASK, PAD, VOCAB_SIZE
 
 SPECIAL_IDS = (ENDOFTEXT, PAD, BOS, EOC, MASK)
 
@@ -47,31 +48,28 @@ class TokenData:
     def __init__(self, run_dir: str | Path, seq_len: int, val_fraction: float = 0.1, compact_vocab: bool = True,
                  vocab: np.ndarray | None = None):
         shards = TokenShards(run_dir)
-        folder = shards.run.output_dir("tokens")
+        folder = shards.run.output_dir(layout.TOKENS)
         self.n_concepts = shards.n_concepts
         self.seq_len = seq_len
 
         windows, chunk_rows, concept_lists, train, val = [], [], [], [], []
         self.chunk_ids: list[str] = []
-        for shard, part in enumerate(shards.parts):
-            index = shards.index(shard)
-            stream = np.asarray(shards.stream(shard))
-            starts, ends = np.asarray(index["token_start"]), np.asarray(index["token_end"])
-            if len(starts) and (starts[0] != 0 or ends[-1] != len(stream) or np.any(starts[1:] != ends[:-1])):
-                raise ValueError(f"{part}: chunk spans do not tile the shard's token stream ({len(stream)} tokens)")
-            rows = np.repeat(np.arange(len(starts)) + len(self.chunk_ids), ends - starts)
+        for shard in range(len(shards.parts)):
+            # Windows of seq_len + 1 tokens every seq_len: they overlap by one token,
+            # targets are inputs shifted by one.
+            tokens, rows, index = shards.shard_windows(shard, seq_len + 1, stride=seq_len)
+            rows = rows + len(self.chunk_ids)
             self.chunk_ids += index["chunk_id"]
             concept_lists += index["concepts"]
-            count = (len(stream) - 1) // seq_len  # windows overlap by one token: targets are inputs shifted by one
+            count = len(tokens)
             if count == 0:
                 continue
-            take = np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
             n_val = int(round(count * val_fraction)) if count > 1 else 0
             offset = sum(len(w) for w in windows)
             train.append(offset + np.arange(count - n_val))
             val.append(offset + np.arange(count - n_val, count))
-            windows.append(stream[take])
-            chunk_rows.append(rows[take])
+            windows.append(tokens)
+            chunk_rows.append(rows)
         if not windows:
             raise ValueError(f"{folder}: fewer than {seq_len + 1} tokens in every shard; lower seq_len")
         cl100k_windows = np.concatenate(windows)

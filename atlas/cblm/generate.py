@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from atlas.cblm.model import CBLM, Steering
-from atlas.tokenizer import BOS, cl100k
+from atlas.models.tokenizer import BOS, cl100k
 
 
 def steering_for(model: CBLM, concepts: list[int], strength: float, layer: int | None = None) -> Steering:

@@ -110,6 +110,7 @@ def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, 
         u_hat = parts.u_hat_aux if parts.u_hat_aux is not None else parts.u_hat
         losses["rec"] = reconstruction_loss(u_hat, parts.h, parts.k_hat_target, scored)
         losses["indep"] = independence_loss(u_hat, parts.k @ model.concepts.known_emb)  # the predicted k_hat
-        total = total + lambda_concept * losses["concept"] + lambda_rec * losses["rec"] + lambda_indep * losses["indep"]
+        total = (total + lambda_concept * losses["concept"] + lambda_rec * losses["rec"]
+                 + lambda_indep * losses["indep"])
     extras = {"logits": logits, "targets": targets, "scored": scored, "parts": parts, "rows": rows, "labels": labels}
     return total, losses, extras

@@ -134,7 +134,7 @@ def alignment_proxy(model, data: TokenData, top: int = 20, seed: int = 0) -> dic
     for suffix, centered in (("", False), ("_centered", True)):
         predicted = concept_top_tokens(model, data, top, centered)
 
-        def overlap(c: int, d: int) -> float:
+        def overlap(c: int, d: int, predicted=predicted) -> float:
             return len(np.intersect1d(predicted[c], lifted[d])) / top
 
         result[f"alignment_overlap{suffix}"] = float(np.mean([overlap(c, c) for c in scored]))

@@ -37,7 +37,7 @@ from atlas.cblm.data import TokenData
 from atlas.cblm.losses import compute
 from atlas.cblm.metrics import evaluate
 from atlas.cblm.model import CBLM, ModelConfig
-from atlas.tokenizer import MASK
+from atlas.models.tokenizer import MASK
 
 
 @dataclass
@@ -109,7 +109,8 @@ class TrainConfig:
             setattr(config, key, parsed)
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", config.name) or ".." in config.name:
             # the name is a folder under RUN/cblm/: "../x" or "/x" must not write outside the run
-            raise ValueError(f"name={config.name!r}: use letters, digits, '_', '-' and '.' only (it names RUN/cblm/<name>)")
+            raise ValueError(f"name={config.name!r}: use letters, digits, '_', '-' and '.' only "
+                             "(it names RUN/cblm/<name>)")
         return config
 
 

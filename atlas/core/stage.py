@@ -3,12 +3,14 @@
 A stage is one module with one class. The constructor is cheap (it only keeps the config), so
 stages can be pickled to Prefect workers; expensive state (tokenizers, models, engines) loads in
 ``setup``. Map stages process shard ``i`` of their input into shard ``i`` of their output; global
-stages see everything at once and run as a single shard.
+stages see everything at once and run as a single shard. Heavy libraries (torch, faiss, scikit-learn)
+are imported inside ``setup`` or ``run_shard``, so importing a stage costs nothing and a core install
+can run the stages that need no extra.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from atlas.config import AtlasConfig
 from atlas.core.files import stable_hash
@@ -18,13 +20,17 @@ from atlas.core.stats import Stats
 
 class Stage:
     name: ClassVar[str]  # CLI name, e.g. "chunk"
-    output: ClassVar[str]  # folder under RUN/, e.g. "chunks"
-    kind: ClassVar[Literal["map", "global"]]
+    output: ClassVar[str]  # folder under RUN/ (a constant of atlas.io.layout), e.g. "chunks"
+    needs: ClassVar[tuple[str, ...]] = ()  # extras it imports when it runs (atlas.core.extras)
     upstream: ClassVar[tuple[str, ...]] = ()  # names of the stages whose outputs this one reads
     extra_outputs: ClassVar[tuple[str, ...]] = ()  # other paths under RUN/ it writes (cleared with its output)
 
     def __init__(self, config: AtlasConfig):
         self.config = config
+
+    def extras(self) -> tuple[str, ...]:
+        """The extras this stage needs with this config (checked by the runner before it runs)."""
+        return self.needs
 
     def identity(self) -> dict:
         """Everything that determines this stage's output (config, prompt and schema files...).

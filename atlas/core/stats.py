@@ -17,7 +17,7 @@ class Stats:
     def drop(self, reason: str, n: int = 1) -> None:
         self.counters[f"dropped.{reason}"] += n
 
-    def merge(self, other: "Stats | dict") -> "Stats":
+    def merge(self, other: Stats | dict) -> Stats:
         self.counters.update(other.counters if isinstance(other, Stats) else other)
         return self
 

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from atlas.config import LLMConfig
+from atlas.config import AtlasConfig, LLMConfig
 
 
 @dataclass(slots=True)
@@ -93,7 +93,15 @@ ENGINES = {
 }
 
 
-def make_engine(config: LLMConfig) -> LLMEngine:
+def make_engine(config: LLMConfig, **options) -> LLMEngine:
     """The engine named in ``config.engine``, imported lazily (vllm is only needed where it runs)."""
     module_name, _, class_name = ENGINES[config.engine].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)(config)
+    return getattr(importlib.import_module(module_name), class_name)(config, **options)
+
+
+def make_tag_engine(config: AtlasConfig) -> LLMEngine:
+    """The engine of the tag stage, also used to judge relevance and to give auxiliary labels: the offline
+    engine embeds with ``tag.embedding_model``."""
+    if config.llm.engine == "offline":
+        return make_engine(config.llm, embedding_model=config.tag.embedding_model)
+    return make_engine(config.llm)

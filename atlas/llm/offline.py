@@ -27,28 +27,28 @@ from collections import Counter
 import numpy as np
 
 from atlas.config import LLMConfig
-from atlas.embed import Embedder
 from atlas.llm.engine import LLMEngine, LLMRequest, LLMResult
+from atlas.models.embedder import Embedder
 
 STOPWORDS = frozenset(
     """a about above after again against all also am an and any are aren't as at be because been before being below
     between both but by can can't cannot could couldn't did didn't do does doesn't doing don't down during each few for
     from further had hadn't has hasn't have haven't having he he'd he'll he's her here here's hers herself him himself
-    his how how's i i'd i'll i'm i've if in into is isn't it it's its itself let's me more most mustn't my myself no nor
-    not of off on once only or other ought our ours ourselves out over own same shan't she she'd she'll she's should
-    shouldn't so some such than that that's the their theirs them themselves then there there's these they they'd
-    they'll they're they've this those through to too under until up very was wasn't we we'd we'll we're we've were
-    weren't what what's when when's where where's which while who who's whom why why's with won't would wouldn't you
-    you'd you'll you're you've your yours yourself yourselves one two three also may might must shall will just like
-    get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus therefore
-    q a re subject writes wrote article""".split()
+    his how how's i i'd i'll i'm i've if in into is isn't it it's its itself let's me more most mustn't my myself no
+    nor not of off on once only or other ought our ours ourselves out over own same shan't she she'd she'll she's
+    should shouldn't so some such than that that's the their theirs them themselves then there there's these they
+    they'd they'll they're they've this those through to too under until up very was wasn't we we'd we'll we're we've
+    were weren't what what's when when's where where's which while who who's whom why why's with won't would wouldn't
+    you you'd you'll you're you've your yours yourself yourselves one two three also may might must shall will just
+    like get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus
+    therefore q a re subject writes wrote article""".split()
 )
 CODE_STOPWORDS = frozenset(
-    """def return self cls none true false import from class if else elif for while in is not and or pass break continue
-    try except finally raise with as lambda yield assert del global nonlocal print len range int str float list dict
-    set tuple bool object args kwargs init main name doc test tests param params type value values result res tmp temp
-    var val arr num idx i j k n m x y z a b c d e f g h p q r s t u v w l o function var let const new public private
-    static void null this return true false string int32 int64 elif np os sys re typing optional any""".split()
+    """def return self cls none true false import from class if else elif for while in is not and or pass break
+    continue try except finally raise with as lambda yield assert del global nonlocal print len range int str float
+    list dict set tuple bool object args kwargs init main name doc test tests param params type value values result res
+    tmp temp var val arr num idx i j k n m x y z a b c d e f g h p q r s t u v w l o function var let const new public
+    private static void null this return true false string int32 int64 elif np os sys re typing optional any""".split()
 )
 WORD = re.compile(r"[A-Za-z][A-Za-z'+#]*[A-Za-z+#]|[A-Za-z]")
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -195,6 +195,7 @@ class OfflineEngine(LLMEngine):
         vectors = self._embed_all([c for r in requests for c in r.context["concepts"]])
         docs = self.embedder.encode([r.context["text"] for r in requests])
         return {
-            r.key: {chr(ord("A") + i): proxy_score(float(vectors[c] @ doc)) for i, c in enumerate(r.context["concepts"])}
+            r.key: {chr(ord("A") + i): proxy_score(float(vectors[c] @ doc))
+                    for i, c in enumerate(r.context["concepts"])}
             for r, doc in zip(requests, docs)
         }

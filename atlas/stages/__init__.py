@@ -2,19 +2,19 @@
 
 from atlas.stages.annotate import AnnotateStage
 from atlas.stages.chunk import ChunkStage
-from atlas.stages.tag import TagStage
-from atlas.stages.tokenize import TokenizeStage
 from atlas.stages.cluster import ClusterStage
 from atlas.stages.coherence import CoherenceStage
 from atlas.stages.index import IndexStage
 from atlas.stages.label import LabelStage
 from atlas.stages.library import LibraryStage
+from atlas.stages.tag import TagStage
 from atlas.stages.targets import TargetsStage
+from atlas.stages.tokenize import TokenizeStage
 from atlas.stages.train_annotator import TrainAnnotatorStage
 from atlas.stages.vocab import VocabStage
 
 STAGES = {
     stage.name: stage
-    for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage, TargetsStage,
-                  TrainAnnotatorStage, AnnotateStage, TokenizeStage, IndexStage)
+    for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage,
+                  TargetsStage, TrainAnnotatorStage, AnnotateStage, TokenizeStage, IndexStage)
 }

@@ -10,7 +10,7 @@ is named ``text``, as in the release view) plus the trained annotator's labels::
 
 The pooled embedding that the annotator's heads read is the chunk's embedding: one forward pass
 gives both, and it goes to ``RUN/embeddings.zarr`` (float16, L2-normalized; see
-``atlas.embeddings``) at the chunk's global row, so row i of the annotated parts read in shard order
+``atlas.io.embedding_store``) at the chunk's global row, so row i of the annotated parts read in shard order
 is row i of the embeddings. Chunks are read, encoded and written in blocks of
 ``annotate.block_rows``, so memory does not grow with the shard or the corpus.
 """
@@ -25,10 +25,10 @@ from atlas.core.files import atomic_write_json, open_parquet, read_json
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embeddings import ID_ARRAYS, create_store, finish, write_rows
+from atlas.io import layout
+from atlas.io.embedding_store import ID_ARRAYS, create_store, finish, write_rows
 
 ANNOTATE_VERSION = 1
-STORE = "embeddings.zarr"
 CHUNK_COLUMNS = ("chunk_text", *ID_ARRAYS)  # what a chunk part must hold for this stage (all of it is copied)
 
 
@@ -41,10 +41,10 @@ def annotated_schema(chunk_schema: pa.Schema, domains: list[str]) -> pa.Schema:
 
 class AnnotateStage(Stage):
     name = "annotate"
-    output = "annotated"
-    kind = "map"
+    output = layout.ANNOTATED
     upstream = ("chunk", "train_annotator")
-    extra_outputs = (STORE,)
+    needs = ("embed",)
+    extra_outputs = (layout.EMBEDDINGS,)
 
     def identity(self) -> dict:
         c = self.config.annotate
@@ -54,17 +54,18 @@ class AnnotateStage(Stage):
     def plan(self, run: RunDir, stage_hash: str) -> int:
         """Row offsets of every shard in the embedding store, and the store itself (once per hash)."""
         n_shards = run.read_manifest()["stages"]["chunk"]["num_shards"]
-        if not (run.success_path("chunks").exists() and (run.output_dir("annotator") / "config.json").exists()):
+        if not (run.success_path(layout.CHUNKS).exists()
+                and (run.output_dir(layout.ANNOTATOR) / "config.json").exists()):
             return n_shards  # planned ahead (atlas plan, or before the flow starts): the store comes later
         spec = self._checked_annotator(run).spec  # before anything is written: a bad input stops here, once
         counts = []
         for shard in range(n_shards):
-            with open_parquet(run.part_path("chunks", shard), CHUNK_COLUMNS) as part:
+            with open_parquet(run.part_path(layout.CHUNKS, shard), CHUNK_COLUMNS) as part:
                 counts.append(part.metadata.num_rows)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
         plan_path = run.output_dir(self.output) / "_plan.json"
         plan = {"stage_hash": stage_hash, "shard_rows": counts, "shard_offsets": offsets[:-1], "n_rows": offsets[-1]}
-        store = run.root / STORE
+        store = run.root / layout.EMBEDDINGS
         existing = read_json(plan_path) if plan_path.exists() else None
         if existing != plan or not (store / "zarr.json").exists():
             create_store(store, offsets[-1], spec.dim, self.config.annotate.zarr_chunk_rows,
@@ -77,14 +78,14 @@ class AnnotateStage(Stage):
     def _checked_annotator(self, run: RunDir):
         """The trained annotator, checked against the library it labels with: the same concept counts, and the
         very file it was trained on (cheap: the weights are checked, the encoder is not loaded)."""
-        from atlas.annotator import Annotator
-        from atlas.stages.library import load_library
+        from atlas.io.library import load_library
+        from atlas.models.annotator import Annotator
 
-        annotator = Annotator(run.output_dir("annotator"), device=self.config.annotate.device,
+        annotator = Annotator(run.output_dir(layout.ANNOTATOR), device=self.config.annotate.device,
                               batch_size=self.config.annotate.batch_size)
         concepts, _ = load_library(run)
         annotator.check_library(concepts)
-        annotator.check_library_file(run.output_dir("library") / "concepts.parquet")
+        annotator.check_library_file(run.output_dir(layout.LIBRARY) / "concepts.parquet")
         annotator.heads = annotator.load_heads()
         return annotator
 
@@ -94,7 +95,7 @@ class AnnotateStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         plan = read_json(run.output_dir(self.output) / "_plan.json")
         start, n = plan["shard_offsets"][shard], plan["shard_rows"][shard]
-        source = open_parquet(run.part_path("chunks", shard), CHUNK_COLUMNS)
+        source = open_parquet(run.part_path(layout.CHUNKS, shard), CHUNK_COLUMNS)
         domains = list(self.annotator.spec.domains)
         schema = annotated_schema(source.schema_arrow, domains)
         target = run.part_path(self.output, shard)
@@ -114,11 +115,12 @@ class AnnotateStage(Stage):
         dim = self.annotator.spec.dim
         arrays = {"embeddings": np.concatenate(vectors) if vectors else np.zeros((0, dim), np.float16)}
         arrays |= {name: np.concatenate(v) if v else np.zeros(0, np.str_) for name, v in ids.items()}
-        write_rows(run.root / STORE, shard, start, start + n, arrays)
+        write_rows(run.root / layout.EMBEDDINGS, shard, start, start + n, arrays)
         return stats
 
     @staticmethod
-    def _annotated(table: pa.Table, decided: list[dict], domains: list[str], schema: pa.Schema, stats: Stats) -> pa.Table:
+    def _annotated(table: pa.Table, decided: list[dict], domains: list[str], schema: pa.Schema,
+                   stats: Stats) -> pa.Table:
         columns = {("text" if name == "chunk_text" else name): table.column(name) for name in table.column_names}
         columns["concepts"] = [[g for d in domains for g, _ in row[d]] for row in decided]
         columns["concept_scores"] = [[p for d in domains for _, p in row[d]] for row in decided]
@@ -130,5 +132,5 @@ class AnnotateStage(Stage):
 
     def finalize(self, run: RunDir, stats: Stats) -> None:
         plan = read_json(run.output_dir(self.output) / "_plan.json")
-        if (run.root / STORE / "_staging").exists():
-            stats.inc("embedding_rows_from_staging", finish(run.root / STORE, len(plan["shard_rows"])))
+        if (run.root / layout.EMBEDDINGS / "_staging").exists():
+            stats.inc("embedding_rows_from_staging", finish(run.root / layout.EMBEDDINGS, len(plan["shard_rows"])))

@@ -31,30 +31,15 @@ import numpy as np
 import pyarrow as pa
 
 from atlas.config import ChunkDomain
-from atlas.core.files import (InputError, atomic_write_json, atomic_write_parquet, file_fingerprint, read_json,
-                              read_parquet)
+from atlas.core.files import InputError, atomic_write_json, atomic_write_parquet, file_fingerprint, read_json
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.readers import Document, Reject, list_input_files, plan_shards, read_shard
+from atlas.io import layout
+from atlas.io.chunks import CHUNK_SCHEMA
+from atlas.io.inputs import Document, Reject, list_input_files, plan_shards, read_shard
 
 CHUNKER_VERSION = 1  # bump when the algorithm changes, so finished runs are recomputed
-
-CHUNK_SCHEMA = pa.schema(
-    [
-        ("chunk_id", pa.string()),
-        ("doc_id", pa.string()),
-        ("source_doc_id", pa.string()),
-        ("data_src", pa.string()),
-        ("domain", pa.string()),
-        ("chunk_text", pa.string()),
-        ("n_tokens", pa.int32()),
-        ("char_start", pa.int64()),
-        ("char_end", pa.int64()),
-        ("doc_end_flag", pa.bool_()),
-        ("metadata", pa.string()),
-    ]
-)
 
 REJECT_SCHEMA = pa.schema(
     [
@@ -83,7 +68,8 @@ class _BlingFire:
 
         self.fn = blingfire.blingfire.TextToSentencesWithOffsets
         self.fn.restype = ctypes.c_int
-        self.fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self.fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int]
 
     def spans(self, data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         n = len(data)
@@ -141,7 +127,7 @@ class Chunker:
     """Splits one document into chunks; holds the tokenizer and sentence splitter."""
 
     def __init__(self, max_sentence_tokens: int, exact_token_counts: bool = True):
-        from atlas.tokenizer import cl100k, token_byte_lengths
+        from atlas.models.tokenizer import cl100k, token_byte_lengths
 
         self.enc = cl100k()
         self.token_lengths = token_byte_lengths()
@@ -187,8 +173,8 @@ class Chunker:
         if first is None:
             return len(self.enc.encode_ordinary(text[start:end]))
         last = first
-        for last in _SAFE_BOUNDARY.finditer(text, max(first.start(), end - 64), end):
-            pass
+        for match in _SAFE_BOUNDARY.finditer(text, max(first.start(), end - 64), end):
+            last = match
         b1, b2 = byte_of_char(first.start()), byte_of_char(last.start())
         i1, i2 = np.searchsorted(token_ends, (b1, b2), side="right")
         if token_ends[i1 - 1] != b1 or token_ends[i2 - 1] != b2:  # not token boundaries after all: be safe
@@ -247,7 +233,8 @@ class Chunker:
                 start += len(piece) - len(piece.lstrip())
             end -= len(piece) - len(piece.rstrip())
             if start < end:
-                n_tokens = self._exact_count(text, start, end, token_ends, byte_of_char) if self.exact_token_counts else c.n_tokens
+                n_tokens = (self._exact_count(text, start, end, token_ends, byte_of_char) if self.exact_token_counts
+                            else c.n_tokens)
                 result.append(Span(start, end, n_tokens))
         return result
 
@@ -257,12 +244,12 @@ class Chunker:
 
 class ChunkStage(Stage):
     name = "chunk"
-    output = "chunks"
-    kind = "map"
+    output = layout.CHUNKS
 
     def identity(self) -> dict:
         _, files = list_input_files(self.config.input)
-        fingerprints = [{k: v for k, v in file_fingerprint(p).items() if k != "path"} | {"name": p.name} for p in files]
+        fingerprints = [{k: v for k, v in file_fingerprint(p).items() if k != "path"} | {"name": p.name}
+                        for p in files]
         return {
             "version": CHUNKER_VERSION,
             "chunk": self.config.chunk.model_dump(),
@@ -344,11 +331,3 @@ class ChunkStage(Stage):
             rows["metadata"].append(metadata_json)
 
 
-def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:
-    """The given columns of the chunks whose id is in ``wanted``, by chunk id (read part by part)."""
-    found = {}
-    for part in sorted(run.output_dir(ChunkStage.output).glob("part-*.parquet")):
-        for row in read_parquet(part, ["chunk_id", *columns]).to_pylist():
-            if row["chunk_id"] in wanted:
-                found[row["chunk_id"]] = row
-    return found

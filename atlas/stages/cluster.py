@@ -26,7 +26,8 @@ from atlas.core.files import atomic_write_json, atomic_write_npy, atomic_write_p
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.stages.vocab import load_vocab
+from atlas.io import layout
+from atlas.io.tags import load_vocab
 
 CLUSTER_VERSION = 1
 CLUSTER_SCHEMA = pa.schema(
@@ -45,16 +46,16 @@ def choose_k(sweep: list[dict]) -> int:
 
 class ClusterStage(Stage):
     name = "cluster"
-    output = "clusters"
-    kind = "global"
+    output = layout.CLUSTERS
     upstream = ("vocab",)
+    needs = ("library",)
 
     def identity(self) -> dict:
         c = self.config.library
         return {"version": CLUSTER_VERSION, "seed": c.seed, "ks": c.ks, "k": c.k}
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        from atlas.clustering import assign, cluster_quality, k_grid, kmeans
+        from atlas.models.kmeans import assign, cluster_quality, k_grid, kmeans
 
         c = self.config.library
         vocab, vectors = load_vocab(run)
@@ -89,8 +90,8 @@ class ClusterStage(Stage):
 
     @staticmethod
     def _plot(run: RunDir, sweep: list[dict], chosen: int) -> None:
-        from atlas.report import lines
+        from atlas.core.plots import lines
 
         ks = [row["k"] for row in sweep]
         series = {name: [row[name] for row in sweep] for name in ("silhouette", "davies_bouldin", "cohesion")}
-        lines(ks, series, run.root / "report" / "k_sweep.png", f"k-sweep (chosen k = {chosen})", "k")
+        lines(ks, series, run.root / layout.REPORT / "k_sweep.png", f"k-sweep (chosen k = {chosen})", "k")

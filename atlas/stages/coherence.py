@@ -6,8 +6,8 @@ from 1 to 10, from the LLM judge (``prompts/judge_coherence.yaml``) or, with the
 from its embedding cohesion: the mean pairwise cosine of the set's tags, mapped linearly from
 [COHESION_LOW, COHESION_HIGH] onto 1-10. The bounds were set on MiniLM tags of the dev corpus
 (k = 500), where the filter then drops a fifth of the clusters, as the paper's did (21%); edge
-sets of large clusters are loose, so the drop rate depends on k (1% of the demo's 500 small clusters). A cluster is kept when
-core >= 9, random >= 8 and edge >= 7 (``library.core_min`` etc.). A cluster of one tag is
+sets of large clusters are loose, so the drop rate depends on k (1% of the demo's 500 small clusters).
+A cluster is kept when core >= 9, random >= 8 and edge >= 7 (``library.core_min`` etc.). A cluster of one tag is
 trivially coherent (10). Dropped clusters go to ``coherence/_rejects/`` with their scores.
 """
 
@@ -20,13 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT
+from atlas.core.extras import llm_extras
 from atlas.core.files import atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
+from atlas.io import layout
+from atlas.io.tags import load_vocab
 from atlas.llm.engine import LLMRequest, make_engine
 from atlas.llm.prompts import load_prompt
-from atlas.stages.vocab import load_vocab
 
 COHERENCE_VERSION = 1
 COHESION_LOW, COHESION_HIGH = -0.125, 0.375  # offline: mean pairwise cosine -> score 1 .. 10 (see above)
@@ -58,9 +60,12 @@ def strata(members: np.ndarray, similarity: np.ndarray, size: int, rng: np.rando
 
 class CoherenceStage(Stage):
     name = "coherence"
-    output = "coherence"
-    kind = "global"
+    output = layout.COHERENCE
     upstream = ("cluster",)
+    needs = ("library",)
+
+    def extras(self) -> tuple[str, ...]:
+        return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         c = self.config.library
@@ -71,10 +76,22 @@ class CoherenceStage(Stage):
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml", {"system": set(), "user": {"tags"}})
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": prompt.sha256}
 
+    def setup(self) -> None:
+        self.engine = None  # offline: embedding cohesion, no engine
+        if self.config.llm.engine != "offline":
+            self.prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml",
+                                      {"system": set(), "user": {"tags"}})
+            self.engine = make_engine(self.config.llm)
+            self.engine.setup()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         c = self.config.library
         vocab, vectors = load_vocab(run)
-        clusters = pq.read_table(run.part_path("clusters", 0)).to_pydict()
+        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
         x = vectors.astype(np.float32)
         labels = np.asarray(clusters["cluster_id"])
         similarity = np.asarray(clusters["similarity"])
@@ -110,34 +127,29 @@ class CoherenceStage(Stage):
         return stats
 
     def _score(self, sets: dict, x: np.ndarray, tags: list[str]) -> dict:
-        if self.config.llm.engine == "offline":
+        if self.engine is None:
             return {key: cohesion_score(x[indices]) for key, indices in sets.items()}
-        prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml", {"system": set(), "user": {"tags"}})
-        engine = make_engine(self.config.llm)
-        engine.setup()
-        keys = list(sets)
+        prompt, keys = self.prompt, list(sets)
         requests = [LLMRequest(key=f"{cluster}:{stratum}", system=prompt.templates["system"],
-                               user=prompt.render("user", tags="\n".join(f"- {tags[i]}" for i in sets[(cluster, stratum)])),
+                               user=prompt.render("user",
+                                                  tags="\n".join(f"- {tags[i]}" for i in sets[(cluster, stratum)])),
                                schema=SCORE_SCHEMA, schema_name="coherence")
                     for cluster, stratum in keys]
         scores = {}
-        try:
-            for key, result in zip(keys, engine.generate(requests)):
-                try:
-                    score = int(json.loads(result.text or "")["score"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if 1 <= score <= 10:
-                    scores[key] = score
-        finally:
-            engine.close()
+        for key, result in zip(keys, self.engine.generate(requests)):
+            try:
+                score = int(json.loads(result.text or "")["score"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if 1 <= score <= 10:
+                scores[key] = score
         return scores
 
     @staticmethod
     def _plot(run: RunDir, rows: list[dict]) -> None:
-        from atlas.report import histogram
+        from atlas.core.plots import histogram
 
         for stratum in STRATA:
             values = [r[f"{stratum}_score"] for r in rows if r[f"{stratum}_score"] is not None]
-            histogram(values, run.root / "report" / f"coherence_{stratum}.png",
+            histogram(values, run.root / layout.REPORT / f"coherence_{stratum}.png",
                       f"coherence scores, {stratum} sets", "score (1-10)", bins=np.arange(0.5, 11, 1))

@@ -10,20 +10,19 @@ No two concepts share a name: a repeated name gets the cluster's next most repre
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.config import PROJECT_ROOT
+from atlas.core.extras import llm_extras
 from atlas.core.files import atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.llm.engine import LLMRequest, make_engine
-from atlas.llm.prompts import load_prompt
-from atlas.stages.vocab import load_vocab
+from atlas.io import layout
+from atlas.io.tags import load_vocab
+from atlas.llm.engine import make_engine
+from atlas.models.labeler import label_prompt, llm_labels, make_unique, offline_label
 
 LABEL_VERSION = 1
 EVIDENCE_KEPT = 20
@@ -31,72 +30,16 @@ LABEL_SCHEMA = pa.schema(
     [("cluster_id", pa.int64()), ("name", pa.string()), ("description", pa.string()),
      ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("count", pa.int64())]
 )
-ANSWER_SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["name", "description"],
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 60},
-                   "description": {"type": "string", "minLength": 10, "maxLength": 300}},
-}
 
-
-def offline_label(tags: list[str], counts: np.ndarray, vectors: np.ndarray) -> tuple[str, str]:
-    """Medoid tag as the name; a description sentence from the other evidence tags."""
-    weights = counts / counts.sum()
-    centrality = (vectors @ vectors.T) @ weights
-    name = tags[int(np.argmax(centrality))]
-    others = [t for t in tags if t != name][:3]
-    description = f"Text about {name}" + (f", with tags such as {', '.join(others)}." if others else ".")
-    return name, description
-
-
-def label_prompt():
-    return load_prompt(PROJECT_ROOT / "prompts" / "label_cluster.yaml", {"system": set(), "user": {"tags"}})
-
-
-def llm_labels(config, evidence: list[list[tuple[str, int]]]) -> list[tuple[str, str] | None]:
-    """(name, description) per evidence list from the LLM, or None where the answer is unusable."""
-    prompt = label_prompt()
-    engine = make_engine(config.llm)
-    engine.setup()
-    requests = [LLMRequest(key=str(i), system=prompt.templates["system"], schema=ANSWER_SCHEMA, schema_name="label",
-                           user=prompt.render("user", tags="\n".join(f"- {t} ({n})" for t, n in items)))
-                for i, items in enumerate(evidence)]
-    answers = []
-    try:
-        for result in engine.generate(requests):
-            try:
-                data = json.loads(result.text or "")
-                name, description = str(data["name"]).strip().lower(), str(data["description"]).strip()
-            except (ValueError, KeyError, TypeError):
-                answers.append(None)
-                continue
-            answers.append((name, description) if 1 <= len(name.split()) <= 6 and description else None)
-    finally:
-        engine.close()
-    return answers
-
-
-def make_unique(names: list[str], alternatives: list[list[str]]) -> list[str]:
-    """Names in order of priority; a taken name gets its next alternative tag in parentheses, else a number."""
-    taken, out = set(), []
-    for name, options in zip(names, alternatives):
-        candidate = name
-        for option in (o for o in options if o != name):
-            if candidate not in taken:
-                break
-            candidate = f"{name} ({option})"
-        suffix = 2
-        while candidate in taken:
-            candidate, suffix = f"{name} {suffix}", suffix + 1
-        taken.add(candidate)
-        out.append(candidate)
-    return out
 
 
 class LabelStage(Stage):
     name = "label"
-    output = "labels"
-    kind = "global"
+    output = layout.LABELS
     upstream = ("coherence",)
+
+    def extras(self) -> tuple[str, ...]:
+        return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         identity = {"version": LABEL_VERSION, "label_tags": self.config.library.label_tags}
@@ -104,10 +47,20 @@ class LabelStage(Stage):
             return identity
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
 
+    def setup(self) -> None:
+        self.engine = None  # offline: the labels come from the evidence tags
+        if self.config.llm.engine != "offline":
+            self.engine = make_engine(self.config.llm)
+            self.engine.setup()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         _, vectors = load_vocab(run)
-        clusters = pq.read_table(run.part_path("clusters", 0)).to_pydict()
-        kept = [r["cluster_id"] for r in pq.read_table(run.part_path("coherence", 0)).to_pylist() if r["kept"]]
+        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
+        kept = [r["cluster_id"] for r in pq.read_table(run.part_path(layout.COHERENCE, 0)).to_pylist() if r["kept"]]
         labels, tags, counts = np.asarray(clusters["cluster_id"]), clusters["tag_norm"], np.asarray(clusters["count"])
         x = vectors.astype(np.float32)
         stats = Stats({"clusters_in": len(kept)})
@@ -122,8 +75,8 @@ class LabelStage(Stage):
                          "evidence_tags": [tags[i] for i in top[:EVIDENCE_KEPT]], "n_tags": len(members),
                          "count": int(counts[members].sum())})
             evidence.append([(tags[i], int(counts[i])) for i in top])
-        if self.config.llm.engine != "offline":
-            for row, answer in zip(rows, llm_labels(self.config, evidence)):
+        if self.engine is not None:
+            for row, answer in zip(rows, llm_labels(self.engine, evidence)):
                 if answer is None:
                     stats.inc("labels_offline_fallback")
                 else:

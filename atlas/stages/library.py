@@ -29,27 +29,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.auxiliary import load_aux_domains
-from atlas.core.files import (ArtifactError, atomic_write_json, atomic_write_parquet, read_json, read_parquet,
-                              sha256_bytes)
+from atlas.core.extras import llm_extras
+from atlas.core.files import atomic_write_json, atomic_write_parquet, read_json, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder, encode_cached
+from atlas.io import layout
+from atlas.io.chunks import read_chunks
+from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
 from atlas.llm.engine import make_engine
-from atlas.stages.chunk import read_chunks
-from atlas.stages.label import label_prompt, llm_labels, make_unique
+from atlas.models.auxiliary import load_aux_domains
+from atlas.models.embedder import Embedder, encode_cached
+from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
 LIBRARY_VERSION = 1
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
-CONCEPT_SCHEMA = pa.schema(
-    [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
-     ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("chunk_count", pa.int64()),
-     ("prevalence", pa.float64()), ("taxonomy_path", pa.string()), ("merged_from", pa.list_(pa.int64())),
-     ("lifted_words", pa.list_(pa.string()))]
-)
-TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64())])
 
 
 def lifted_words(chunk_texts: list[str], members: list[np.ndarray], min_support: int, top: int = LIFTED_KEPT):
@@ -78,9 +73,12 @@ def lifted_words(chunk_texts: list[str], members: list[np.ndarray], min_support:
 
 class LibraryStage(Stage):
     name = "library"
-    output = "library"
-    kind = "global"
+    output = layout.LIBRARY
     upstream = ("label",)
+    needs = ("embed", "library")
+
+    def extras(self) -> tuple[str, ...]:
+        return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         c = self.config.library
@@ -97,17 +95,25 @@ class LibraryStage(Stage):
 
     def setup(self) -> None:
         self.embedder = Embedder(self.config.vocab.embedding_model)
+        self.engine = None  # offline: a merged concept keeps its most used member's label
+        if self.config.llm.engine != "offline":
+            self.engine = make_engine(self.config.llm)
+            self.engine.setup()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        sweep = read_json(run.output_dir("clusters") / "_sweep.json")  # read first: a damaged file stops no work
-        labels = pq.read_table(run.part_path("labels", 0)).to_pylist()
+        sweep = read_json(run.output_dir(layout.CLUSTERS) / "_sweep.json")  # read first: a damaged file stops no work
+        labels = pq.read_table(run.part_path(layout.LABELS, 0)).to_pylist()
         concepts = [{"name": r["name"], "description": r["description"], "count": r["count"], "n_tags": r["n_tags"],
                      "evidence": list(r["evidence_tags"]), "merged_from": [r["cluster_id"]]} for r in labels]
         stats = Stats({"concepts_labeled": len(concepts)})
         passes = self._dedup(concepts, run, stats)
 
-        clusters = pq.read_table(run.part_path("clusters", 0)).to_pydict()
-        vocab = pq.read_table(run.part_path("tag_vocab", 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
+        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
+        vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
         chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
         tags_of_cluster: dict[int, list[str]] = {}
         for tag, cluster in zip(clusters["tag_norm"], clusters["cluster_id"]):
@@ -160,7 +166,7 @@ class LibraryStage(Stage):
         return stats
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
-        vectors, _ = encode_cached(self.embedder, texts, run.root / "_cache" / "embeddings")
+        vectors, _ = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings")
         return vectors.astype(np.float32)
 
     def _dedup(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
@@ -179,7 +185,7 @@ class LibraryStage(Stage):
         return passes
 
     def _merge_once(self, concepts: list[dict], tau: float, run: RunDir) -> list[dict]:
-        from atlas.communities import merge_pass  # faiss and networkx load only when a library is built
+        from atlas.models.louvain import merge_pass  # faiss and networkx load only when a library is built
 
         c = self.config.library
         vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
@@ -188,10 +194,10 @@ class LibraryStage(Stage):
         for concept, community in zip(concepts, merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed).tolist()):
             groups.setdefault(community, []).append(concept)
         merged = [self._merge(group) for group in groups.values()]
-        if self.config.llm.engine != "offline":
+        if self.engine is not None:
             renamed = [i for i, g in enumerate(groups.values()) if len(g) > 1]
             evidence = [[(t, 1) for t in merged[i]["evidence"]] for i in renamed]
-            for i, answer in zip(renamed, llm_labels(self.config, evidence) if renamed else []):
+            for i, answer in zip(renamed, llm_labels(self.engine, evidence) if renamed else []):
                 if answer is not None:
                     merged[i]["name"], merged[i]["description"] = answer
         for concept, name in zip(merged, make_unique([m["name"] for m in merged], [m["evidence"] for m in merged])):
@@ -210,12 +216,12 @@ class LibraryStage(Stage):
                 "evidence": evidence, "merged_from": sorted(m for x in group for m in x["merged_from"])}
 
     def _plot(self, run: RunDir, rows: list[dict]) -> None:
-        from atlas.report import histogram, scatter
+        from atlas.core.plots import histogram, scatter
 
         if not rows:
             return
         sizes = np.array([r["chunk_count"] for r in rows])
-        histogram(sizes, run.root / "report" / "concept_sizes.png", f"{len(rows)} concepts: chunks per concept",
+        histogram(sizes, run.root / layout.REPORT / "concept_sizes.png", f"{len(rows)} concepts: chunks per concept",
                   "chunks (log scale bins)", bins=np.unique(np.geomspace(1, max(sizes.max(), 2), 25).round()),
                   log_y=True)
         if len(rows) >= 3:
@@ -223,46 +229,7 @@ class LibraryStage(Stage):
             centered = vectors - vectors.mean(axis=0)
             points = centered @ np.linalg.svd(centered, full_matrices=False)[2][:2].T  # PCA to 2-D
             named = {i: rows[i]["name"] for i in range(min(25, len(rows)))}
-            scatter(points, 4 + 60 * sizes / sizes.max(), named, run.root / "report" / "concept_map.png",
+            scatter(points, 4 + 60 * sizes / sizes.max(), named, run.root / layout.REPORT / "concept_map.png",
                     "concept map (PCA of name + description embeddings; 25 largest named)")
 
 
-def load_library(run: RunDir) -> tuple[list[dict], dict]:
-    """The concepts (rows of concepts.parquet, by concept id) and config.json, checked against each other."""
-    folder = run.output_dir(LibraryStage.output)
-    path, config_path = folder / "concepts.parquet", folder / "config.json"
-    for p in (path, config_path):
-        if not p.exists():
-            raise FileNotFoundError(f"{p}: no concept library here; run the library stage first")
-    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
-    config = read_json(config_path)
-    # A library of the library stage (it has domains) has every column; a hand-made one needs ids and names.
-    required = CONCEPT_SCHEMA if "domain_offsets" in config else ["concept_id", "name"]
-    rows = read_parquet(path, required=required, hint=rebuild).to_pylist()
-    offsets = config.get("domain_offsets", {})
-    config["domain_offsets"] = dict(sorted(offsets.items(), key=lambda kv: kv[1]))  # id order: content first
-    for row, concept in enumerate(rows):
-        if concept["concept_id"] != row:
-            seen = [r["concept_id"] for r in rows[:row]]
-            what = "a duplicate" if concept["concept_id"] in seen else f"expected {row}"
-            raise ArtifactError(f"{path}: row {row}: concept_id is {concept['concept_id']} ({what}); concept_id must "
-                                f"be 0..{len(rows) - 1} in order; {rebuild}")
-    if config.get("n_concepts") != len(rows):
-        raise ArtifactError(f"{config_path}: n_concepts is {config.get('n_concepts')} but {path} has {len(rows)} rows")
-    for domain, offset in config.get("domain_offsets", {}).items():
-        size = config.get("domain_sizes", {}).get(domain, 0)
-        if any(r["domain"] != domain for r in rows[offset : offset + size]):
-            raise ArtifactError(f"{config_path}: domain {domain!r} (offset {offset}, size {size}) does not match the "
-                                f"'domain' column of {path}")
-    return rows, config
-
-
-def check_tag_to_concept(run: RunDir, n_content: int) -> None:
-    """``tag_to_concept.parquet`` maps tags to content concepts of this library only (or to null)."""
-    path = run.output_dir(LibraryStage.output) / "tag_to_concept.parquet"
-    mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA).to_pydict()
-    for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
-        if concept is not None and not 0 <= concept < n_content:
-            raise ArtifactError(f"{path}: row {row} (tag {tag!r}): concept_id {concept} is not a content concept of "
-                                f"the library (0..{n_content - 1}); rebuild the library (atlas run CONFIG --force "
-                                "--stages library)")

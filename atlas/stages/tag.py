@@ -18,20 +18,19 @@ from __future__ import annotations
 import pyarrow as pa
 
 from atlas.config import PROJECT_ROOT
+from atlas.core.extras import llm_extras
 from atlas.core.files import atomic_write_parquet, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
+from atlas.io import layout
+from atlas.io.tags import TAG_SCHEMA
+from atlas.llm.answers import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
 from atlas.llm.cache import RequestCache, ask_cached
-from atlas.llm.engine import LLMRequest, LLMResult, make_engine
+from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
-from atlas.tagging import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
 
 TAG_STAGE_VERSION = 1
-TAG_SCHEMA = pa.schema(
-    [("chunk_id", pa.string()), ("field", pa.string()), ("tag", pa.string()), ("tag_norm", pa.string()),
-     ("rank", pa.int16())]
-)
 QUARANTINE_SCHEMA = pa.schema(
     [("chunk_id", pa.string()), ("domain", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
      ("attempts", pa.int16()), ("finish_reason", pa.string()), ("raw", pa.string())]
@@ -48,20 +47,13 @@ def _prompt_path(config) -> str:
     return config.tag.prompt or str(PROJECT_ROOT / "prompts" / "tag.yaml")
 
 
-def tag_engine(config):
-    """The engine of the tag stage (the offline one also needs its embedding model)."""
-    if config.llm.engine == "offline":
-        from atlas.llm.offline import OfflineEngine
-
-        return OfflineEngine(config.llm, embedding_model=config.tag.embedding_model)
-    return make_engine(config.llm)
-
-
 class TagStage(Stage):
     name = "tag"
-    output = "tags"
-    kind = "map"
+    output = layout.TAGS
     upstream = ("chunk",)
+
+    def extras(self) -> tuple[str, ...]:
+        return ("embed",) if self.config.llm.engine == "offline" else llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         _, _, files = load_schemas(self.config.tag)
@@ -70,7 +62,7 @@ class TagStage(Stage):
         return {
             "version": TAG_STAGE_VERSION,
             "tag": tag,
-            "engine": tag_engine(self.config).identity(),  # model and sampling; never the API key or URL
+            "engine": make_tag_engine(self.config).identity(),  # model and sampling; never the API key or URL
             "prompt_sha256": prompt.sha256,
             "schema_files": {f"{p.parent.name}/{p.name}": sha256_bytes(p.read_bytes()) for p in files},
         }
@@ -81,7 +73,7 @@ class TagStage(Stage):
     def setup(self) -> None:
         self.schemas, self.candidates, _ = load_schemas(self.config.tag)
         self.prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
-        self.engine = tag_engine(self.config)
+        self.engine = make_tag_engine(self.config)
         self.engine.setup()
 
     def teardown(self) -> None:
@@ -116,9 +108,9 @@ class TagStage(Stage):
         return results
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        chunks = read_parquet(run.part_path("chunks", shard), ["chunk_id", "domain", "chunk_text"]).to_pylist()
+        chunks = read_parquet(run.part_path(layout.CHUNKS, shard), ["chunk_id", "domain", "chunk_text"]).to_pylist()
         stats = Stats({"chunks_in": len(chunks)})
-        cache = RequestCache(run.root / "_cache" / "tag" / f"{shard:05d}.sqlite", self.engine.identity())
+        cache = RequestCache(run.root / layout.CACHE / "tag" / f"{shard:05d}.sqlite", self.engine.identity())
         tagged: dict[str, dict] = {}
         quarantined: dict[str, dict] = {}
         batch_size = self.config.tag.batch_size
@@ -145,7 +137,8 @@ class TagStage(Stage):
         run.write_rejects(self.output, shard, ordered, QUARANTINE_SCHEMA)
         return stats
 
-    def _tag_batch(self, chunks: list[dict], cache: RequestCache, stats: Stats, tagged: dict, quarantined: dict) -> None:
+    def _tag_batch(self, chunks: list[dict], cache: RequestCache, stats: Stats, tagged: dict,
+                   quarantined: dict) -> None:
         pending = {c["chunk_id"]: (c, None) for c in chunks}  # chunk id -> (chunk, problem of the last answer)
         for attempt in range(1, self.config.tag.max_attempts + 1):
             if not pending:

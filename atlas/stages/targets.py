@@ -10,7 +10,7 @@
    (``annotator.heldout_fraction``; the paper held out 597k of 2.9M chunks), so the held-out
    figures are not inflated by near-copies from the same document.
 4. **Auxiliary labels** (tone, demographic reference, alignment-relevant) for every reservoir chunk
-   from the finite lists in ``schemas/aux/`` (see ``atlas.auxiliary``): an LLM picks which apply,
+   from the finite lists in ``schemas/aux/`` (see ``atlas.models.auxiliary``): an LLM picks which apply,
    or offline, calibrated embedding similarity. LLM answers are validated, retried and cached in
    ``RUN/_cache/aux/``; a chunk whose answers all fail keeps its content targets, gets no auxiliary
    labels and is counted (``aux_status`` says why).
@@ -26,20 +26,22 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 
-from atlas.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
 from atlas.config import PROJECT_ROOT
-from atlas.core.files import atomic_write_parquet, read_parts, sha256_bytes, stable_hash
+from atlas.core.extras import llm_extras
+from atlas.core.files import atomic_write_parquet, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder, encode_cached
-from atlas.evaluate import chunk_concepts
+from atlas.io import layout
+from atlas.io.chunks import read_chunks
+from atlas.io.library import check_tag_to_concept, chunk_concepts, load_library
+from atlas.io.tags import read_tags
+from atlas.llm.answers import parse_answer
 from atlas.llm.cache import RequestCache, ask_cached
-from atlas.llm.engine import LLMRequest
+from atlas.llm.engine import LLMRequest, make_tag_engine
 from atlas.llm.prompts import load_prompt
-from atlas.stages.chunk import read_chunks
-from atlas.stages.library import check_tag_to_concept, load_library
-from atlas.tagging import parse_answer
+from atlas.models.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
+from atlas.models.embedder import Embedder, encode_cached
 
 TARGETS_VERSION = 1
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
@@ -87,9 +89,12 @@ def heldout_split(doc_id: str, fraction: float, seed: int) -> str:
 
 class TargetsStage(Stage):
     name = "targets"
-    output = "targets"
-    kind = "global"
+    output = layout.TARGETS
     upstream = ("tag", "library")
+    needs = ("embed",)
+
+    def extras(self) -> tuple[str, ...]:
+        return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         a = self.config.annotator
@@ -99,11 +104,21 @@ class TargetsStage(Stage):
             return identity | {"aux": "offline", "embedding_model": self.config.tag.embedding_model,
                                "min_z": a.aux_min_z, "min_similarity": a.aux_min_similarity,
                                "batch": a.embed_batch_size}
-        from atlas.stages.tag import tag_engine
-
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "aux.yaml", AUX_PROMPT)
-        return identity | {"aux": tag_engine(self.config).identity(), "prompt_sha256": prompt.sha256,
+        return identity | {"aux": make_tag_engine(self.config).identity(), "prompt_sha256": prompt.sha256,
                            "max_attempts": self.config.tag.max_attempts}
+
+    def setup(self) -> None:
+        # Auxiliary labels: offline, embedding similarity to each label; otherwise the tag stage's engine.
+        if self.config.llm.engine == "offline":
+            self.embedder, self.engine = Embedder(self.config.tag.embedding_model), None
+        else:
+            self.embedder, self.engine = None, make_tag_engine(self.config)
+            self.engine.setup()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         a = self.config.annotator
@@ -111,13 +126,12 @@ class TargetsStage(Stage):
         domains = load_aux_domains(self.config.library.aux_domains, self.config.tag.schema_dir)
         offsets = library["domain_offsets"]
         if missing := [d.name for d in domains if d.name not in offsets]:
-            raise ValueError(f"{run.output_dir('library')}/config.json has no offsets for auxiliary domains "
+            raise ValueError(f"{run.output_dir(layout.LIBRARY)}/config.json has no offsets for auxiliary domains "
                              f"{missing}; rebuild the library (atlas run CONFIG --force --stages library)")
 
-        from atlas.stages.tag import TAG_SCHEMA
 
         check_tag_to_concept(run, library["domain_sizes"]["content"])
-        tags = read_parts(run.output_dir("tags"), ["chunk_id"], required=TAG_SCHEMA)
+        tags = read_tags(run, ["chunk_id"])
         tagged = sorted(set(tags.column(0).to_pylist()))
         content = chunk_concepts(run)
         stats = Stats({"chunks_tagged": len(tagged), "chunks_with_concepts": len(content)})
@@ -156,12 +170,13 @@ class TargetsStage(Stage):
     def _aux_offline(self, run: RunDir, domains, texts: list[str], stats: Stats):
         """Calibrated embedding similarity between each chunk and each label's "name: description"."""
         a = self.config.annotator
-        embedder = Embedder(self.config.tag.embedding_model)
-        chunk_vectors, computed = encode_cached(embedder, texts, run.root / "_cache" / "embeddings", a.embed_batch_size)
+        embedder = self.embedder
+        chunk_vectors, computed = encode_cached(embedder, texts, run.root / layout.CACHE / "embeddings",
+                                                a.embed_batch_size)
         stats.inc("chunks_embedded", computed)
         aux = {}
         for d in domains:
-            label_vectors, _ = encode_cached(embedder, d.texts, run.root / "_cache" / "embeddings")
+            label_vectors, _ = encode_cached(embedder, d.texts, run.root / layout.CACHE / "embeddings")
             similarity = chunk_vectors.astype(np.float32) @ label_vectors.astype(np.float32).T
             aux[d.name] = [[j for j, _ in labels]
                            for labels in calibrated_labels(similarity, d, a.aux_min_z, a.aux_min_similarity)]
@@ -169,13 +184,9 @@ class TargetsStage(Stage):
 
     def _aux_llm(self, run: RunDir, domains, chunk_ids: list[str], texts: list[str], stats: Stats):
         """An LLM picks labels from the lists; validated, retried up to tag.max_attempts, cached."""
-        from atlas.stages.tag import tag_engine
-
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "aux.yaml", AUX_PROMPT)
-        schema, lists = answer_schema(domains), describe_lists(domains)
-        engine = tag_engine(self.config)
-        engine.setup()
-        cache = RequestCache(run.root / "_cache" / "aux" / f"{sha256_bytes(lists.encode())[:12]}.sqlite",
+        schema, lists, engine = answer_schema(domains), describe_lists(domains), self.engine
+        cache = RequestCache(run.root / layout.CACHE / "aux" / f"{sha256_bytes(lists.encode())[:12]}.sqlite",
                              engine.identity())
         answers: dict[int, dict] = {}
         status = ["failed"] * len(texts)
@@ -205,7 +216,6 @@ class TargetsStage(Stage):
                         break
         finally:
             cache.close()
-            engine.close()
         stats.inc("aux_failed", sum(s != "ok" for s in status))
         position = {d.name: {name: j for j, name in enumerate(d.names)} for d in domains}
         aux = {d.name: [[position[d.name][n] for n in answers.get(i, {}).get(d.name, [])] for i in range(len(texts))]

@@ -1,6 +1,6 @@
 """Stage ``train_annotator`` (global): train the concept annotator on the targets (paper 4.2.3).
 
-Reads ``targets/`` (reservoir, split, positives) and the library, and trains ``atlas.annotator``:
+Reads ``targets/`` (reservoir, split, positives) and the library, and trains ``atlas.models.annotator``:
 
 - ``annotator.mode = "frozen"`` (default, CPU): chunk embeddings are computed once (cached in
   ``RUN/_cache/embeddings``) and only the heads train, in seconds to minutes;
@@ -9,13 +9,13 @@ Reads ``targets/`` (reservoir, split, positives) and the library, and trains ``a
 Batches are drawn with rarity weights (a chunk's weight is the mean over its content concepts of
 count^-``rarity_power``), the loss is BCE on positives + the non-negative PU risk with a prior
 per label (``annotator.label_frequency``). Then, on the held-out split, each domain gets its
-decision rule (threshold and cap, ``atlas.annotator.choose_rule``) and the model is measured next to
+decision rule (threshold and cap, ``atlas.models.annotator.choose_rule``) and the model is measured next to
 two baselines that need no training: kNN over concept embeddings (cosine of the chunk with each
 concept's "name: description") and kNN over training chunks (similarity-weighted vote of the 20
 nearest). Metrics are PU-aware: recall@k and PR-AUC on held-out positives; precision is a lower
 bound (an unlabeled prediction may be right).
 
-    annotator/model.safetensors, config.json     the model (see atlas.annotator); encoder/ when fine-tuned
+    annotator/model.safetensors, config.json     the model (see atlas.models.annotator); encoder/ when fine-tuned
     annotator/metrics.json                       held-out metrics, baselines, rule, training history
     annotator/calibration.parquet                per label: held-out positives, observed rate, mean probability
     annotator/heldout_predictions.parquet        chunk_id, domain, targets, concepts, concept_scores
@@ -25,19 +25,24 @@ bound (an unlabeled prediction may be right).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-from scipy import sparse
 
+from atlas.core.extras import llm_extras
 from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder, encode_cached
-from atlas.evaluate import calibration_table, ranking_metrics
-from atlas.stages.chunk import read_chunks
-from atlas.stages.library import load_library
+from atlas.io import layout
+from atlas.io.chunks import read_chunks
+from atlas.io.library import load_library
+from atlas.models.embedder import Embedder, encode_cached
+from atlas.models.pu_metrics import calibration_table, ranking_metrics
+
+if TYPE_CHECKING:  # scipy comes with the library extra: imported where it is used
+    from scipy import sparse
 
 TRAIN_VERSION = 1
 KNN_NEIGHBOURS = 20
@@ -60,9 +65,12 @@ def rarity_weights(content: sparse.csr_matrix, power: float) -> np.ndarray:
 
 class TrainAnnotatorStage(Stage):
     name = "train_annotator"
-    output = "annotator"
-    kind = "global"
+    output = layout.ANNOTATOR
     upstream = ("targets",)
+    needs = ("embed", "library")
+
+    def extras(self) -> tuple[str, ...]:
+        return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
         a = self.config.annotator
@@ -79,31 +87,36 @@ class TrainAnnotatorStage(Stage):
     # --- data ------------------------------------------------------------------------------------
 
     def _load(self, run: RunDir):
+        from scipy import sparse
+
         concepts, library = load_library(run)
         offsets, sizes = library["domain_offsets"], library["domain_sizes"]
-        table = read_parquet(run.part_path("targets", 0), required=["chunk_id", "domain", "split", "concepts"],
+        table = read_parquet(run.part_path(layout.TARGETS, 0), required=["chunk_id", "domain", "split", "concepts"],
                              hint="rerun the targets stage (--force --stages targets)").to_pydict()
         n = len(table["chunk_id"])
         labels = {}
         for domain in offsets:
             column = f"{domain}_global_ids"
             if column not in table:
-                raise ValueError(f"{run.part_path('targets', 0)}: no column {column!r} for library domain {domain!r}; "
+                raise ValueError(f"{run.part_path(layout.TARGETS, 0)}: no column {column!r} "
+                                 f"for library domain {domain!r}; "
                                  "rerun the targets stage (--force --stages targets)")
             rows = np.repeat(np.arange(n), [len(ids) for ids in table[column]])
             cols = np.array([g - offsets[domain] for ids in table[column] for g in ids], dtype=np.int64)
             if len(cols) and (cols.min() < 0 or cols.max() >= sizes[domain]):
-                raise ValueError(f"{run.part_path('targets', 0)}: column {column!r} holds ids outside domain "
+                raise ValueError(f"{run.part_path(layout.TARGETS, 0)}: column {column!r} holds ids outside domain "
                                  f"{domain!r} (offset {offsets[domain]}, size {sizes[domain]})")
-            labels[domain] = sparse.csr_matrix((np.ones(len(cols), np.float32), (rows, cols)), shape=(n, sizes[domain]))
+            labels[domain] = sparse.csr_matrix((np.ones(len(cols), np.float32), (rows, cols)),
+                                               shape=(n, sizes[domain]))
         return concepts, library, table, labels
 
     def _embed(self, run: RunDir, texts: list[str], stats: Stats, what: str) -> np.ndarray:
         from tqdm.auto import tqdm
 
         a = self.config.annotator
-        with tqdm(total=len(texts), desc=f"embed {what}", unit="text", disable=not self.config.execution.progress) as bar:
-            vectors, computed = encode_cached(self.embedder, texts, run.root / "_cache" / "embeddings",
+        with tqdm(total=len(texts), desc=f"embed {what}", unit="text",
+                  disable=not self.config.execution.progress) as bar:
+            vectors, computed = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings",
                                               a.embed_batch_size, progress=bar.update)
         stats.inc(f"{what}_embedded", computed)
         stats.inc(f"{what}_from_cache", len(texts) - computed)
@@ -114,7 +127,7 @@ class TrainAnnotatorStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         import torch
 
-        from atlas.annotator import AnnotatorHeads, AnnotatorSpec, choose_rule, pu_priors, save_annotator
+        from atlas.models.annotator import AnnotatorHeads, AnnotatorSpec, choose_rule, pu_priors, save_annotator
 
         a = self.config.annotator
         concepts, library, table, labels = self._load(run)
@@ -126,7 +139,7 @@ class TrainAnnotatorStage(Stage):
         heldout = ~train
         stats = Stats({"chunks": len(chunk_ids), "train": int(train.sum()), "heldout": int(heldout.sum())})
         if train.sum() == 0 or heldout.sum() == 0:
-            raise ValueError(f"{run.part_path('targets', 0)}: need chunks in both splits, got {int(train.sum())} "
+            raise ValueError(f"{run.part_path(layout.TARGETS, 0)}: need chunks in both splits, got {int(train.sum())} "
                              f"train and {int(heldout.sum())} held-out; change annotator.heldout_fraction")
 
         n_content = sizes["content"]
@@ -158,7 +171,8 @@ class TrainAnnotatorStage(Stage):
                         "criterion": chosen["criterion"]}
         spec = AnnotatorSpec(
             encoder="encoder" if encoder is not None else a.encoder, dim=int(embeddings.shape[1]), hidden=a.hidden,
-            dropout=a.dropout, library_sha256=sha256_bytes((run.output_dir("library") / "concepts.parquet").read_bytes()),
+            dropout=a.dropout,
+            library_sha256=sha256_bytes((run.output_dir(layout.LIBRARY) / "concepts.parquet").read_bytes()),
             domains={d: {"offset": offsets[d], "size": sizes[d], "threshold": rules[d]["threshold"],
                          "cap": rules[d]["cap"]} for d in offsets},
         )
@@ -180,7 +194,7 @@ class TrainAnnotatorStage(Stage):
         import torch
         from tqdm.auto import tqdm
 
-        from atlas.annotator import annotator_loss
+        from atlas.models.annotator import annotator_loss
 
         a = self.config.annotator
         train_idx, heldout_idx = np.flatnonzero(train), np.flatnonzero(heldout)
@@ -206,7 +220,8 @@ class TrainAnnotatorStage(Stage):
                 batch = order[start : start + a.batch_size]
                 z = self._encode_batch(encoder, [texts[i] for i in batch]) if encoder is not None else features[batch]
                 targets = {d: torch.from_numpy(y[batch].toarray()).to(self.device) for d, y in labels.items()}
-                loss, _ = annotator_loss(heads(z.to(self.device)), targets, {d: p.to(self.device) for d, p in priors.items()},
+                loss, _ = annotator_loss(heads(z.to(self.device)), targets,
+                                         {d: p.to(self.device) for d, p in priors.items()},
                                          a.pu_weight, a.pu_beta, a.pu_gamma)
                 optimizer.zero_grad()
                 loss.backward()
@@ -214,7 +229,8 @@ class TrainAnnotatorStage(Stage):
                 losses.append(loss.item())
             heldout_parts = self._heldout_loss(heads, encoder, features, texts, labels, heldout_idx, priors)
             history.append({"epoch": epoch + 1, "train_objective": float(np.mean(losses)), **heldout_parts})
-            bar.set_postfix(train=f"{np.mean(losses):.3f}", recall10=f"{heldout_parts['heldout_content_recall_at_10']:.3f}")
+            bar.set_postfix(train=f"{np.mean(losses):.3f}",
+                            recall10=f"{heldout_parts['heldout_content_recall_at_10']:.3f}")
         heads.cpu()
         return encoder, history
 
@@ -230,7 +246,7 @@ class TrainAnnotatorStage(Stage):
     def _heldout_loss(self, heads, encoder, features, texts, labels, heldout_idx, priors) -> dict:
         import torch
 
-        from atlas.annotator import annotator_loss
+        from atlas.models.annotator import annotator_loss
 
         a = self.config.annotator
         sample = heldout_idx[:2048]  # enough for a curve, cheap when fine-tuning
@@ -258,7 +274,7 @@ class TrainAnnotatorStage(Stage):
 
     def _evaluate(self, run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table, concepts,
                   stats) -> dict:
-        from atlas.annotator import decide
+        from atlas.models.annotator import decide
 
         a = self.config.annotator
         metrics: dict = {"heldout_chunks": int(heldout.sum()), "train_chunks": int(train.sum()), "domains": {}}
@@ -289,9 +305,11 @@ class TrainAnnotatorStage(Stage):
         rows = []
         for j, i in enumerate(held_rows):
             predicted = [(spec.domains[d]["offset"] + k, p) for d in spec.domains for k, p in decided[d][j]]
-            rows.append({"chunk_id": table["chunk_id"][i], "domain": table["domain"][i], "targets": table["concepts"][i],
+            rows.append({"chunk_id": table["chunk_id"][i], "domain": table["domain"][i],
+                         "targets": table["concepts"][i],
                          "concepts": [g for g, _ in predicted], "concept_scores": [p for _, p in predicted]})
-        atomic_write_parquet(folder / "heldout_predictions.parquet", pa.Table.from_pylist(rows, schema=PREDICTIONS_SCHEMA))
+        atomic_write_parquet(folder / "heldout_predictions.parquet",
+                             pa.Table.from_pylist(rows, schema=PREDICTIONS_SCHEMA))
         metrics["judge"] = self._judge(run, rows, concepts, a.judge_sample)
         content = metrics["domains"]["content"]
         if content["pr_auc"] is not None:  # None: no held-out chunk has a known content concept
@@ -303,6 +321,7 @@ class TrainAnnotatorStage(Stage):
     def _knn_chunks(train_vectors: np.ndarray, train_labels: sparse.csr_matrix, queries: np.ndarray) -> np.ndarray:
         """Scores of the kNN-over-chunks baseline: similarity-weighted vote of the nearest training chunks."""
         import faiss
+        from scipy import sparse
 
         index = faiss.IndexFlatIP(train_vectors.shape[1])
         index.add(np.ascontiguousarray(train_vectors, dtype=np.float32))
@@ -315,23 +334,23 @@ class TrainAnnotatorStage(Stage):
 
     def _judge(self, run: RunDir, rows: list[dict], concepts: list[dict], sample: int) -> dict | None:
         """Relevance of the predicted content concepts of ``sample`` held-out chunks (LLM judge or proxy)."""
-        from atlas.judge import MAX_CONCEPTS_PER_REQUEST, judge_pairs
+        from atlas.models.judge import MAX_CONCEPTS_PER_REQUEST, judge_pairs
 
         content = [r for r in rows if any(concepts[g]["domain"] == "content" for g in r["concepts"])]
         if not sample or not content:
             return None
-        chosen = sorted(np.random.default_rng(self.config.annotator.seed).choice(len(content), min(sample, len(content)),
-                                                                                 replace=False).tolist())
+        chosen = sorted(np.random.default_rng(self.config.annotator.seed)
+                        .choice(len(content), min(sample, len(content)), replace=False).tolist())
         texts = read_chunks(run, {content[i]["chunk_id"] for i in chosen})
         pairs = [(content[i]["chunk_id"], texts[content[i]["chunk_id"]]["chunk_text"],
                   [f"{concepts[g]['name']}: {concepts[g]['description']}" for g in content[i]["concepts"]
                    if concepts[g]["domain"] == "content"][:MAX_CONCEPTS_PER_REQUEST]) for i in chosen]
-        return judge_pairs(self.config, pairs, what="annotator", report=run.root / "report")
+        return judge_pairs(self.config, pairs, what="annotator", report=run.root / layout.REPORT)
 
     def _plot(self, run: RunDir, history: list[dict], metrics: dict) -> None:
-        from atlas.report import lines
+        from atlas.core.plots import lines
 
-        report = run.root / "report"
+        report = run.root / layout.REPORT
         epochs = [h["epoch"] for h in history]
         lines(epochs, {"train objective": [h["train_objective"] for h in history],
                        "held-out loss": [h["heldout_loss"] for h in history],

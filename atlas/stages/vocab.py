@@ -18,25 +18,23 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from atlas.core.files import ArtifactError, atomic_write_npy, atomic_write_parquet, read_parquet, read_parts
+from atlas.core.files import atomic_write_npy, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.embed import Embedder, encode_cached
+from atlas.io import layout
+from atlas.io.tags import VOCAB_SCHEMA, read_tags
+from atlas.models.embedder import Embedder, encode_cached
 
 VOCAB_VERSION = 1
 MAX_VARIANTS = 5
-VOCAB_SCHEMA = pa.schema(
-    [("tag_norm", pa.string()), ("count", pa.int64()), ("n_chunks", pa.int64()), ("fields", pa.list_(pa.string())),
-     ("variants", pa.list_(pa.string())), ("chunk_ids", pa.list_(pa.string()))]
-)
 
 
 class VocabStage(Stage):
     name = "vocab"
-    output = "tag_vocab"
-    kind = "global"
+    output = layout.TAG_VOCAB
     upstream = ("tag",)
+    needs = ("embed",)
 
     def identity(self) -> dict:
         return {"version": VOCAB_VERSION, "vocab": self.config.vocab.model_dump()}
@@ -45,9 +43,7 @@ class VocabStage(Stage):
         self.embedder = Embedder(self.config.vocab.embedding_model)
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        from atlas.stages.tag import TAG_SCHEMA
-
-        tags = read_parts(run.output_dir("tags"), ["chunk_id", "field", "tag", "tag_norm"], required=TAG_SCHEMA)
+        tags = read_tags(run, ["chunk_id", "field", "tag", "tag_norm"])
         stats = Stats({"tags_in": tags.num_rows})
         grouped = tags.group_by("tag_norm").aggregate(
             [("chunk_id", "count"), ("chunk_id", "distinct"), ("field", "distinct"), ("tag", "distinct")]
@@ -70,27 +66,12 @@ class VocabStage(Stage):
         return stats
 
     def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
-        vectors, computed = encode_cached(self.embedder, texts, run.root / "_cache" / "embeddings",
+        vectors, computed = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings",
                                           self.config.vocab.batch_size)
         if computed:
             stats.inc("tags_embedded", computed)
         if computed < len(texts):
             stats.inc("tags_from_cache", len(texts) - computed)
         return vectors
-
-
-def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
-    """The vocabulary table and its aligned float16 embeddings."""
-    folder = run.output_dir(VocabStage.output)
-    table = read_parquet(folder / "part-00000.parquet", required=VOCAB_SCHEMA)
-    try:
-        vectors = np.load(folder / "_embeddings.npy", allow_pickle=False)  # never unpickle from a run directory
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{folder / '_embeddings.npy'}: unreadable ({e}); rerun the vocab stage with --force") from None
-    if vectors.ndim != 2 or len(vectors) != table.num_rows:
-        raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but "
-                            f"{folder / 'part-00000.parquet'} has {table.num_rows} tags (row i embeds tag i); "
-                            "rerun the vocab stage with --force")
-    return table, vectors
 
 

@@ -1,101 +1,24 @@
-"""``RUN/report/``: small PNG plots (written atomically by the stages) and the self-contained HTML run report.
+"""``atlas report RUN``: the self-contained HTML run report, ``RUN/report/index.html``.
 
-matplotlib is imported only when plotting. The HTML report (``write_html_report``) reads whatever the run
-holds: every section is optional, so a run stopped after ``chunk`` still gets a report that says what is
-missing. Every string that comes from the run (concept names, chunk text, reject details) is untrusted
-corpus text and is HTML-escaped; images are inlined as data URIs, so the page needs no network and no files.
+The report (``write_html_report``) reads whatever the run holds (the stages' PNG plots come from
+``atlas.core.plots``): every section is optional, so a run stopped after ``chunk`` still gets a report
+that says what is missing. Every string that comes from the run (concept names, chunk text, reject
+details) is untrusted corpus text and is HTML-escaped; images are inlined as data URIs, so the page needs
+no network and no files.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
 import sys
 from pathlib import Path
 
 from atlas.core.files import atomic_write_bytes, read_json, stable_hash
-
-
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=120)
-    return plt, fig, ax
-
-
-def _png(plt, fig) -> bytes:
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-def _save(plt, fig, path: Path) -> None:
-    atomic_write_bytes(path, _png(plt, fig))
-
-
-def histogram(values, path: Path, title: str, xlabel: str, bins=20, log_y: bool = False) -> None:
-    plt, fig, ax = _figure()
-    ax.hist(values, bins=bins, color="#4c72b0", edgecolor="white")
-    ax.set(title=title, xlabel=xlabel, ylabel="count")
-    ax.title.set_fontsize(10)
-    if log_y:
-        ax.set_yscale("log")
-    _save(plt, fig, path)
-
-
-def lines(x, series: dict[str, list], path: Path, title: str, xlabel: str, mark_x=None, log_x: bool = True) -> None:
-    """One panel per series (their scales differ), sharing the x axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(series), 1, figsize=(5.5, 1.9 * len(series)), dpi=120, sharex=True)
-    for ax, (name, values) in zip(axes if len(series) > 1 else [axes], series.items()):
-        ax.plot(x, values, marker="o", color="#4c72b0")
-        ax.set_ylabel(name, fontsize=8)
-        if mark_x is not None:
-            ax.axvline(mark_x, color="#c44e52", linestyle="--", linewidth=1)
-        if log_x:
-            ax.set_xscale("log")
-    axes_list = axes if len(series) > 1 else [axes]
-    axes_list[0].set_title(title, fontsize=10)
-    axes_list[-1].set_xlabel(xlabel)
-    _save(plt, fig, path)
-
-
-def scatter(points, sizes, labels: dict[int, str], path: Path, title: str) -> None:
-    """A 2-D map; ``labels`` names a few points by index."""
-    plt, fig, ax = _figure()
-    fig.set_size_inches(7, 5.5)
-    ax.scatter(points[:, 0], points[:, 1], s=sizes, alpha=0.5, color="#4c72b0", linewidths=0)
-    for i, text in labels.items():
-        ax.annotate(text, points[i], fontsize=6, alpha=0.8)
-    ax.set(title=title, xticks=[], yticks=[])
-    ax.title.set_fontsize(10)
-    _save(plt, fig, path)
-
-
-def curves(x, series: dict[str, list], title: str, xlabel: str) -> bytes:
-    """Several series on one axis (a loss curve), as PNG bytes."""
-    plt, fig, ax = _figure()
-    for name, values in series.items():
-        ax.plot(x, values, marker="o", label=name)
-    ax.set(title=title, xlabel=xlabel)
-    ax.title.set_fontsize(10)
-    ax.legend(fontsize=8)
-    return _png(plt, fig)
-
-
-# --- the HTML run report ----------------------------------------------------------------------------
+from atlas.core.plots import curves
+from atlas.io import layout
 
 # Which stage writes each plot (a plot is shown only while that stage is recorded: --force clears a
 # stage's outputs but not RUN/report/, so an older plot would otherwise pass for a current one) and the
@@ -201,7 +124,7 @@ def _summary(run, manifest: dict, statuses) -> str:
 
 
 def _stage_rows(statuses) -> str:
-    """The stage table: the same states and counts as `atlas status` (atlas.status), plus the counters."""
+    """The stage table: the same states and counts as `atlas status` (atlas.tools.status), plus the counters."""
     rows = []
     for s in statuses:
         if s.state == "not started":
@@ -209,10 +132,12 @@ def _stage_rows(statuses) -> str:
             continue
         key_in, key_out = _IO.get(s.name) or (next((k for k in s.counters if k.endswith("_in")), None),
                                              next((k for k in s.counters if k.endswith("_out")), None))
-        rows_in, rows_out = (_Html(f"{_fmt(s.counters[k])} <small>{html.escape(k)}</small>") if k in s.counters else ""
+        rows_in, rows_out = (_Html(f"{_fmt(s.counters[k])} <small>{html.escape(k)}</small>")
+                             if k in s.counters else ""
                              for k in (key_in, key_out))
         failed = f" (shards {sorted(s.failed)})" if s.failed else ""
-        details = _Html(f"<details><summary>{len(s.counters)}</summary>{_kv(s.counters)}</details>") if s.counters else ""
+        details = (_Html(f"<details><summary>{len(s.counters)}</summary>{_kv(s.counters)}</details>")
+                   if s.counters else "")
         rows.append([s.name, _Html(f'<span class="{html.escape(s.state)}">{html.escape(s.state + failed)}</span>'),
                      f"{s.shards_done}/{s.shards_total}", rows_in, rows_out, sum(s.drops.values()),
                      "" if s.wall_seconds is None else s.wall_seconds, round(s.shard_seconds, 3), details])
@@ -257,7 +182,7 @@ def _plot_kind(path: Path) -> tuple[int, str | None, str]:
 
 def _plots(run, recorded: dict, section: str) -> str:
     figures = []
-    for path in sorted((run.root / "report").glob("*.png"), key=lambda p: (_plot_kind(p)[0], p.name)):
+    for path in sorted((run.root / layout.REPORT).glob("*.png"), key=lambda p: (_plot_kind(p)[0], p.name)):
         _, stage, sec = _plot_kind(path)
         if sec == section and (stage is None or recorded.get(stage, {}).get("status") == "done"):
             figures.append(_img(path.read_bytes(), path.name, wide=path.name.startswith("concept_map")))
@@ -269,7 +194,7 @@ def _concepts(run, top: int = 20) -> str:
     import pyarrow.parquet as pq
 
     columns = ["concept_id", "domain", "name", "description", "chunk_count", "evidence_tags", "lifted_words"]
-    rows = pq.read_table(run.root / "library" / "concepts.parquet", columns=columns).to_pylist()
+    rows = pq.read_table(run.root / layout.LIBRARY / "concepts.parquet", columns=columns).to_pylist()
     per_domain: dict[str, int] = {}
     for r in rows:
         per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + 1
@@ -284,7 +209,7 @@ def _concepts(run, top: int = 20) -> str:
 
 
 def _annotator(run) -> str:
-    metrics = _read_json(run.root / "annotator" / "metrics.json")
+    metrics = _read_json(run.root / layout.ANNOTATOR / "metrics.json")
     ks = ("1", "5", "10", "20")
     scored = [(f"annotator: {name}", m) for name, m in metrics.get("domains", {}).items()]
     scored += [(f"baseline: {name}", m) for name, m in metrics.get("baselines", {}).items()]
@@ -310,14 +235,14 @@ def _evaluations(run) -> str:
     # score_counts are the histograms above; library_eval's relevance is concept_relevance.json; the
     # annotator's relevance is in its own section (metrics.json holds the same numbers).
     parts = [f"<div><h3>{html.escape(p.name)}</h3>{_kv(_read_json(p), skip=('score_counts', 'relevance'))}</div>"
-             for p in sorted((run.root / "report").glob("*.json")) if p.name != "annotator_relevance.json"]
+             for p in sorted((run.root / layout.REPORT).glob("*.json")) if p.name != "annotator_relevance.json"]
     if not parts:
         return '<p class="missing">No evaluations yet (`atlas judge RUN`, `atlas eval library RUN`).</p>'
     return f'<div class="cards">{"".join(parts)}</div>'
 
 
 def _index(run) -> str:
-    info = _read_json(run.root / "index" / "_index.json")
+    info = _read_json(run.root / layout.INDEX / "_index.json")
     recall = info.get("recall_at_10")
     head = f"<p>recall@10 against exact search: <b>{html.escape(_fmt(recall))}</b></p>" if recall is not None else ""
     return head + _kv(info)
@@ -326,7 +251,7 @@ def _index(run) -> str:
 def _cblm(run) -> str:
     """The trained models side by side (final metrics, one column each), then their loss curves (log.jsonl)."""
     models, figures = {}, []
-    for folder in sorted(p for p in (run.root / "cblm").glob("*") if p.is_dir()):
+    for folder in sorted(p for p in (run.root / layout.CBLM).glob("*") if p.is_dir()):
         metrics, log = _read_json(folder / "metrics.json"), folder / "log.jsonl"
         if metrics is None and not log.exists():
             continue
@@ -348,7 +273,7 @@ def write_html_report(run_root) -> Path:
     """(Re)write ``RUN/report/index.html`` from whatever the run holds; returns its path."""
     from atlas.core.rundir import RunDir
     from atlas.stages import STAGES
-    from atlas.status import run_status
+    from atlas.tools.status import run_status
 
     run = RunDir(run_root)
     manifest = run.read_manifest()
@@ -383,7 +308,7 @@ def write_html_report(run_root) -> Path:
             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
             f'<p class="meta">updated {html.escape(str(manifest.get("updated", "?")))}</p><nav>{nav}</nav>{body}'
             "</body></html>\n")
-    path = run.root / "report" / "index.html"
+    path = run.root / layout.REPORT / "index.html"
     atomic_write_bytes(path, page.encode())
     return path
 

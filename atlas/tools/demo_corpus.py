@@ -54,16 +54,19 @@ def _stdlib_sources():
     for module_name in STDLIB_MODULES:
         module = importlib.import_module(module_name)
         path = Path(inspect.getfile(module))
-        yield f"python-stdlib:{module_name}", path.read_text(encoding="utf-8"), "code", "python-stdlib", {"module": module_name}
+        yield (f"python-stdlib:{module_name}", path.read_text(encoding="utf-8"), "code", "python-stdlib",
+               {"module": module_name})
 
 
 def _math_docstrings():
     for module_name in MATH_MODULES:
         module = importlib.import_module(module_name)
         for name, obj in sorted(vars(module).items()):
-            doc = inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)) else None
+            doc = (inspect.getdoc(obj) if (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj))
+                   else None)
             if doc and not name.startswith("_") and getattr(obj, "__module__", module_name) == module_name:
-                yield f"python-math-docs:{module_name}.{name}", doc, "math", "python-math-docs", {"object": f"{module_name}.{name}"}
+                yield (f"python-math-docs:{module_name}.{name}", doc, "math", "python-math-docs",
+                       {"object": f"{module_name}.{name}"})
 
 
 def _package_readmes():

@@ -95,7 +95,8 @@ def format_status(run: RunDir) -> str:
                      f"{s.shard_seconds:>9.1f} {wall:>9}")
         kept = [f"{k}={v:,}" for k, v in s.counters.items() if not k.startswith("dropped.")]
         if kept:
-            lines.extend(textwrap.wrap(", ".join(kept), width=100, initial_indent="      ", subsequent_indent="      "))
+            lines.extend(textwrap.wrap(", ".join(kept), width=100, initial_indent="      ",
+                                       subsequent_indent="      "))
         for reason, n in sorted(s.drops.items(), key=lambda kv: -kv[1]):
             lines.append(f"      dropped {reason}: {n:,}")
         for shard, error in sorted(s.failed.items()):

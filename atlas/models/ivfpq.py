@@ -233,7 +233,7 @@ def load_index(folder: str | Path, nprobe: int = 16, mmap: bool = True):
     path = folder / INDEX_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no index at {path} ({'folder exists' if folder.is_dir() else 'folder is missing'}):"
-                                " build one with atlas.index.build_ivfpq")
+                                " build one with atlas.models.ivfpq.build_ivfpq")
     # The flags depend on the layout, and build_ivfpq leaves invlists.ondisk exactly when the index uses it. They
     # cannot be the same for both: IO_FLAG_MMAP includes IO_FLAG_SKIP_IVF_DATA, which for on-disk lists means "do not
     # open them" (searching such an index crashes), and on-disk lists are memory-mapped anyway.
@@ -549,7 +549,8 @@ def _add_on_disk(index, vectors: Any, n: int, batch_size: int, build_dir: Path, 
     ivf.replace_invlists(invlists, True)
     invlists.this.disown()  # the index owns it now
     index.ntotal = ivf.ntotal = ntotal
-    del lists, parts  # unmaps the parts
+    del lists
+    parts.clear()  # unmaps the parts
     for path in build_dir.glob("part-*.ivfdata"):
         path.unlink()
 

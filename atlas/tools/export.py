@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 
 from atlas.core.files import atomic_write_bytes, atomic_write_json, atomic_write_parquet
 from atlas.core.rundir import RunDir
-from atlas.stages.library import load_library
+from atlas.io import layout
+from atlas.io.library import load_library
 
 CONCEPTS_SCHEMA = pa.schema(
     [("concept_id", pa.int64()), ("type", pa.string()), ("name", pa.string()), ("description", pa.string()),
@@ -38,9 +39,11 @@ README = """# Atlas release view of run `{name}`
 | file | rows | what |
 |---|---:|---|
 | `chunks/part-*.parquet` | {n_chunks:,} | the annotated chunks: text, metadata, concept ids (global) and scores |
-| `concepts.parquet` | {n_concepts:,} | the concepts: id, type, name, description, taxonomy path, chunk count, prevalence |
+| `concepts.parquet` | {n_concepts:,} | the concepts: id, type, name, description, taxonomy path, chunk count, \
+prevalence |
 | `field_guide/part-*.parquet` | {n_concepts:,} | for every concept, the ids of the chunks that carry it |
-| `cooccurrence.npz` | {n_concepts:,} x {n_concepts:,} | chunks carrying both concepts (sparse; `scipy.sparse.load_npz`) |
+| `cooccurrence.npz` | {n_concepts:,} x {n_concepts:,} | chunks carrying both concepts \
+(sparse; `scipy.sparse.load_npz`) |
 
 Concept ids are global: {offsets}. A chunk's `concepts` and `concept_scores` list its labels
 domain by domain, best first; `<domain>_global_ids` split them by domain.
@@ -52,13 +55,14 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
 
     run, out = RunDir(run_dir), Path(out)
     annotate = run.read_manifest().get("stages", {}).get("annotate")
-    if not annotate or not run.is_stage_done("annotated", annotate["hash"]):
-        raise FileNotFoundError(f"{run.output_dir('annotated')}: the annotate stage has not finished; run it first")
+    if not annotate or not run.is_stage_done(layout.ANNOTATED, annotate["hash"]):
+        raise FileNotFoundError(f"{run.output_dir(layout.ANNOTATED)}: the annotate stage has not finished; "
+                                "run it first")
     if out.exists() and any(out.iterdir()):
         if not (out / "export.json").exists():
             raise FileExistsError(f"{out}: not empty and not an earlier export; choose another folder")
         shutil.rmtree(out)  # an earlier export: replace it whole, so no stale part survives
-    parts = [run.part_path("annotated", shard) for shard in range(annotate["num_shards"])]
+    parts = [run.part_path(layout.ANNOTATED, shard) for shard in range(annotate["num_shards"])]
     concepts, library = load_library(run)
     n = len(concepts)
     counts = np.zeros(n, dtype=np.int64)
@@ -98,7 +102,8 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
     tmp.replace(out / "cooccurrence.npz")
     offsets = ", ".join(f"{d} from {o}" for d, o in library["domain_offsets"].items())
     name = run.read_manifest().get("name", run.root.name)
-    atomic_write_bytes(out / "README.md", README.format(name=name, n_chunks=total, n_concepts=n, offsets=offsets).encode())
+    atomic_write_bytes(out / "README.md",
+                       README.format(name=name, n_chunks=total, n_concepts=n, offsets=offsets).encode())
     summary = {"chunks": total, "concepts": n, "concepts_used": int((counts > 0).sum()),
                "cooccurrence_nonzeros": int(cooccurrence.nnz), "out": str(out)}
     atomic_write_json(out / "export.json", summary)

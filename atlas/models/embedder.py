@@ -70,7 +70,7 @@ class Embedder:
         self.model_name, self.device, self.batch_size = model, device, batch_size
         self.model = None
 
-    def setup(self) -> "Embedder":
+    def setup(self) -> Embedder:
         if self.model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

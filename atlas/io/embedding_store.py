@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from atlas.core.files import read_json
+from atlas.core.files import ArtifactError, read_json
+from atlas.io import layout
 
 ID_ARRAYS = ("chunk_id", "doc_id", "source_doc_id", "data_src")
 STAGING = "_staging"
@@ -136,7 +137,7 @@ def open_embeddings(run_root: Path):
     """The store as a zarr group (read-only); checks that it was completed."""
     import zarr
 
-    path = Path(run_root) / "embeddings.zarr"
+    path = Path(run_root) / layout.EMBEDDINGS
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"{path}: no embeddings yet; run the annotate stage")
     _check_codecs(path)
@@ -144,10 +145,51 @@ def open_embeddings(run_root: Path):
     if (path / STAGING).exists():
         raise RuntimeError(f"{path}: incomplete (the annotate stage has not finished); rerun it")
     if group["embeddings"].shape[0] != group.attrs["n_rows"]:
-        raise ValueError(f"{path}: embeddings has {group['embeddings'].shape[0]} rows, attrs say {group.attrs['n_rows']}")
+        raise ValueError(f"{path}: embeddings has {group['embeddings'].shape[0]} rows, "
+                         f"attrs say {group.attrs['n_rows']}")
     return group
 
 
 def describe(run_root: Path) -> str:
     group = open_embeddings(run_root)
-    return json.dumps({"n_rows": group.attrs["n_rows"], "dim": group.attrs["dim"], "encoder": group.attrs.get("encoder")})
+    return json.dumps({"n_rows": group.attrs["n_rows"], "dim": group.attrs["dim"],
+                       "encoder": group.attrs.get("encoder")})
+
+
+REANNOTATE = "recompute it: atlas run CONFIG --force --stages annotate (then tokenize and index follow)"
+
+
+class CheckedRows:
+    """The zarr embeddings as ``build_ivfpq`` reads them, with damage named: a storage chunk that is missing (zarr
+    would read zeros) is found before the build, one that cannot be decoded when it is read."""
+
+    def __init__(self, array, path):
+        self.array, self.path, self.shape, self.dtype = array, path, array.shape, array.dtype
+        size = array.chunks[0]
+        missing = [f"{key} (rows {i * size}..{min((i + 1) * size, array.shape[0]) - 1})"
+                   for i in range(array.cdata_shape[0])
+                   if not (path / (key := array.metadata.encode_chunk_key((i, 0)))).is_file()]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ArtifactError(f"{path}: storage chunk(s) {', '.join(missing[:5])}{more} missing; {REANNOTATE}")
+
+    def _read(self, read, rows: np.ndarray):
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - codecs raise anything (RuntimeError, ValueError...) on damaged bytes
+            size = self.array.chunks[0]
+            for chunk in np.unique(np.asarray(rows) // size).tolist():  # find the storage chunk that fails
+                try:
+                    self.array[chunk * size : (chunk + 1) * size]
+                except Exception:  # noqa: BLE001
+                    key, last = self.array.metadata.encode_chunk_key((chunk, 0)), (chunk + 1) * size - 1
+                    raise ArtifactError(f"{self.path}: storage chunk {key} (rows {chunk * size}..{last}) cannot be "
+                                        f"decoded ({type(e).__name__}: {e}); {REANNOTATE}") from None
+            raise
+
+    def __getitem__(self, key):
+        rows = np.arange(*key.indices(self.shape[0])) if isinstance(key, slice) else key
+        return self._read(lambda: self.array[key], rows)
+
+    def get_orthogonal_selection(self, selection):
+        return self._read(lambda: self.array.get_orthogonal_selection(selection), selection[0])

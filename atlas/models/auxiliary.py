@@ -25,7 +25,7 @@ import numpy as np
 from jsonschema import Draft202012Validator
 
 from atlas.config import PROJECT_ROOT
-from atlas.tagging import SchemaError, TagSchema
+from atlas.llm.answers import SchemaError, TagSchema
 
 
 @dataclass

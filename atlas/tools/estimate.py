@@ -18,7 +18,8 @@ from pathlib import Path
 
 from atlas.config import AtlasConfig
 from atlas.core.rundir import RunDir
-from atlas.readers import Document, plan_shards, read_shard
+from atlas.io import layout
+from atlas.io.inputs import Document, plan_shards, read_shard
 
 
 def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[Document]]:
@@ -26,7 +27,8 @@ def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[D
     plan = plan_shards(config.input)
     shards = plan["shards"]
     total = sum(s["stop"] - s["start"] for s in shards)
-    picked = sorted({round(i * (len(shards) - 1) / max(1, min(len(shards), 8) - 1)) for i in range(min(len(shards), 8))})
+    picked = sorted({round(i * (len(shards) - 1) / max(1, min(len(shards), 8) - 1))
+                     for i in range(min(len(shards), 8))})
     per_shard = -(-sample_docs // len(picked))
     docs: list[Document] = []
     for shard in picked:
@@ -50,7 +52,8 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=print) -> list[dic
     rows = []
     with tempfile.TemporaryDirectory(prefix="atlas-estimate-") as tmp:
         sample = Path(tmp) / "sample.jsonl"
-        sample.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text, "domain": d.domain, "data_src": d.data_src})
+        sample.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text, "domain": d.domain,
+                                              "data_src": d.data_src})
                                   + "\n" for d in docs))
         trial = config.model_copy(deep=True)
         trial.run_dir = str(Path(tmp) / "run")
@@ -60,15 +63,16 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=print) -> list[dic
         trial.execution = trial.execution.model_copy(update={"orchestrator": "inline", "progress": False})
         run_stages(trial, ["chunk", "tag"], log=lambda m: None)
         run = RunDir(trial.run_dir)
-        chunk_seconds = run.shard_marker("chunks", 0)["seconds"]
-        tag_marker = run.shard_marker("tags", 0)
+        chunk_seconds = run.shard_marker(layout.CHUNKS, 0)["seconds"]
+        tag_marker = run.shard_marker(layout.TAGS, 0)
         import pyarrow.parquet as pq
 
-        texts = pq.read_table(run.part_path("chunks", 0), columns=["chunk_text"]).column(0).to_pylist()
+        texts = pq.read_table(run.part_path(layout.CHUNKS, 0), columns=["chunk_text"]).column(0).to_pylist()
         chunks_per_doc = len(texts) / len(docs)
         total_chunks = total_docs * chunks_per_doc
         rows.append(_row("chunk", len(docs), chunk_seconds, "docs", total_docs, config))
-        rows.append(_row(f"tag ({config.llm.engine})", len(texts), tag_marker["seconds"], "chunks", total_chunks, config))
+        rows.append(_row(f"tag ({config.llm.engine})", len(texts), tag_marker["seconds"], "chunks", total_chunks,
+                         config))
         rows.append(_row(*_time_annotation(config, texts), "chunks", total_chunks, config))
         rows.append(_row("tokenize", len(texts), _time_tokenization(config, texts), "chunks", total_chunks, config))
     return rows
@@ -82,16 +86,16 @@ def _row(stage: str, n: int, seconds: float, unit: str, total: float, config: At
 
 
 def _time_annotation(config: AtlasConfig, texts: list[str]) -> tuple[str, int, float]:
-    folder = RunDir(config.run_dir).output_dir("annotator")
+    folder = RunDir(config.run_dir).output_dir(layout.ANNOTATOR)
     if (folder / "config.json").exists():
-        from atlas.annotator import Annotator
+        from atlas.models.annotator import Annotator
 
         annotator = Annotator(folder, device=config.annotate.device, batch_size=config.annotate.batch_size).setup()
         annotator.annotate(texts[:8])  # load and warm up
         start = time.perf_counter()
         annotator.annotate(texts)
         return "annotate", len(texts), time.perf_counter() - start
-    from atlas.embed import Embedder
+    from atlas.models.embedder import Embedder
 
     embedder = Embedder(config.annotator.encoder, device=config.annotate.device, batch_size=config.annotate.batch_size)
     embedder.encode(texts[:8])
@@ -101,8 +105,8 @@ def _time_annotation(config: AtlasConfig, texts: list[str]) -> tuple[str, int, f
 
 
 def _time_tokenization(config: AtlasConfig, texts: list[str]) -> float:
+    from atlas.models.tokenizer import cl100k
     from atlas.stages.tokenize import chunk_stream
-    from atlas.tokenizer import cl100k
 
     encoding = cl100k()
     start = time.perf_counter()

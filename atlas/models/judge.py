@@ -1,32 +1,25 @@
 """The relevance judge (paper 4.2, prompt in appendix C, Figure 32).
 
-Scores (tag, chunk) pairs from 1 (absent) to 5 (central), several tags of one chunk per request.
-A score of 2 or more counts as success. With an LLM engine it uses the paper's prompt; with the
-offline engine it is an embedding-similarity **proxy**, and every output says so.
-
-    atlas judge RUN [--sample 200] [--set llm.engine=openai --set llm.base_url=...]
-
-writes ``RUN/report/tag_relevance.json`` and histograms of per-chunk and per-tag averages
-(``tag_relevance_per_chunk.png``, ``tag_relevance_per_tag.png``).
+Scores (item, chunk) pairs from 1 (absent) to 5 (central), several items (tags, concepts) of one chunk
+per request. A score of 2 or more counts as success. With an LLM engine it uses the paper's prompt; with
+the offline engine it is an embedding-similarity **proxy**, and every output says so. ``atlas judge``
+(``atlas.tools.judge``) judges a run's tags with it; the annotator stage and ``atlas eval`` its concepts.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import string
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT, AtlasConfig
 from atlas.core.files import atomic_write_json
-from atlas.core.rundir import RunDir
+from atlas.core.plots import histogram
 from atlas.llm.engine import LLMRequest
 from atlas.llm.prompts import load_prompt
-from atlas.report import histogram
 
 MAX_CONCEPTS_PER_REQUEST = 26  # letters A-Z
 
@@ -59,32 +52,15 @@ def _parse_scores(text: str | None, n: int) -> list[int] | None:
     return scores if all(1 <= s <= 5 for s in scores) else None
 
 
-def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size: int = 64) -> dict:
-    """Judge the tags of ``sample`` random tagged chunks; returns (and writes) the summary."""
-    run = RunDir(config.run_dir)
-    tags = pq.read_table(run.output_dir("tags"), columns=["chunk_id", "tag_norm"]).to_pylist()
-    by_chunk: dict[str, list[str]] = defaultdict(list)
-    for row in tags:
-        if row["tag_norm"] not in by_chunk[row["chunk_id"]]:
-            by_chunk[row["chunk_id"]].append(row["tag_norm"])
-    chosen = sorted(random.Random(seed).sample(sorted(by_chunk), min(sample, len(by_chunk))))
-    from atlas.stages.chunk import read_chunks
-
-    chunks = read_chunks(run, set(chosen))
-    samples = [(c, chunks[c]["chunk_text"], by_chunk[c][:MAX_CONCEPTS_PER_REQUEST]) for c in chosen]
-
-    return judge_pairs(config, samples, batch_size, what="tag", report=run.root / "report")
-
-
 def judge_pairs(config: AtlasConfig, samples: list[tuple[str, str, list[str]]], batch_size: int = 64,
                 what: str = "concept", report: Path | None = None) -> dict:
     """Score (item, chunk) pairs: ``samples`` holds (chunk id, chunk text, items). Writes the summary
     and histograms to ``report`` when given (``<what>_relevance.json`` and two PNGs)."""
-    from atlas.stages.tag import tag_engine
+    from atlas.llm.engine import make_tag_engine
 
     prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_relevance.yaml",
                          {"system": set(), "user": {"text_chunk", "concepts_with_descriptions"}})
-    engine = tag_engine(config)
+    engine = make_tag_engine(config)
     engine.setup()
     proxy = config.llm.engine == "offline"
     per_chunk, per_item, all_scores, failed = {}, defaultdict(list), [], 0

@@ -184,7 +184,8 @@ def plan_shards(cfg: InputConfig) -> dict:
         root = Path(cfg.path) if Path(cfg.path).is_dir() else files[0].parent
         for start in range(0, len(files), cfg.docs_per_shard):
             shards.append(ShardSpec(str(root), start, min(start + cfg.docs_per_shard, len(files))))
-        return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards], "duplicates": {}}
+        return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards],
+                "duplicates": {}}
 
     first_seen: dict[str, str] = {}
     duplicates: dict[str, str] = {}  # id -> position of its first occurrence
@@ -202,7 +203,8 @@ def plan_shards(cfg: InputConfig) -> dict:
     if not shards:
         raise InputError(f"{cfg.path}: no records in {', '.join(p.name for p in files)} (empty file(s)); "
                          "nothing to process")
-    return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards], "duplicates": duplicates}
+    return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards],
+            "duplicates": duplicates}
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -213,7 +215,8 @@ def _records_parquet(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, d
     path = Path(spec.file)
     pf = _parquet_file(path)
     _check_parquet_columns(path, pf, cfg)
-    wanted = [c for c in {cfg.text_field, cfg.id_field, cfg.domain_field, cfg.data_src_field, *cfg.metadata_fields} if c]
+    wanted = [c for c in {cfg.text_field, cfg.id_field, cfg.domain_field, cfg.data_src_field, *cfg.metadata_fields}
+              if c]
     columns = [c for c in wanted if c in pf.schema_arrow.names]
     row0 = 0
     for rg in range(pf.num_row_groups):
@@ -256,7 +259,8 @@ def _records_jsonl(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dic
         yield row, record, None
 
 
-def _records_text(spec: ShardSpec, files: list[str], cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
+def _records_text(spec: ShardSpec, files: list[str],
+                  cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
     root = Path(spec.file)
     for index in range(spec.start, spec.stop):
         path = Path(files[index])
@@ -289,7 +293,8 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | 
             yield Reject(spec.file, row, None, "(record)", reason, detail)
             continue
         raw_id = record.get(cfg.id_field) if cfg.id_field else None
-        source_id = str(raw_id) if raw_id is not None else record.get("__default_id__", f"{Path(file_name).stem}:{row}")
+        source_id = (str(raw_id) if raw_id is not None
+                     else record.get("__default_id__", f"{Path(file_name).stem}:{row}"))
         doc_id = source_id
         if source_id in duplicates and duplicates[source_id] != where:
             doc_id = f"{source_id}@{where}"

@@ -224,8 +224,8 @@ class Annotator:
         self.heads: AnnotatorHeads | None = None
         self.embedder = None
 
-    def setup(self) -> "Annotator":
-        from atlas.embed import Embedder
+    def setup(self) -> Annotator:
+        from atlas.models.embedder import Embedder
 
         if self.heads is None:
             self.heads = self.load_heads()

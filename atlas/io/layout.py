@@ -1,0 +1,25 @@
+"""The run directory's folder names: one constant per output folder, used by every writer and reader.
+
+    RUN/chunks/ tags/ tag_vocab/ clusters/ coherence/ labels/ library/ targets/ annotator/
+        annotated/ embeddings.zarr/ tokens/ index/          stage outputs (see README, "The run directory")
+    RUN/cblm/<name>/                                         concept-bottleneck LMs trained on the run
+    RUN/report/                                              the HTML report, plots, judge and eval summaries
+    RUN/_cache/                                              engine answers and embeddings, reused on resume
+"""
+
+CHUNKS = "chunks"
+TAGS = "tags"
+TAG_VOCAB = "tag_vocab"
+CLUSTERS = "clusters"
+COHERENCE = "coherence"
+LABELS = "labels"
+LIBRARY = "library"
+TARGETS = "targets"
+ANNOTATOR = "annotator"
+ANNOTATED = "annotated"
+EMBEDDINGS = "embeddings.zarr"
+TOKENS = "tokens"
+INDEX = "index"
+CBLM = "cblm"
+REPORT = "report"
+CACHE = "_cache"

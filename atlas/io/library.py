@@ -1,0 +1,72 @@
+"""Reading the concept library, ``RUN/library/`` (concepts.parquet, tag_to_concept.parquet, config.json)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from atlas.core.files import ArtifactError, read_json, read_parquet
+from atlas.core.rundir import RunDir
+from atlas.io import layout
+
+CONCEPT_SCHEMA = pa.schema(
+    [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
+     ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("chunk_count", pa.int64()),
+     ("prevalence", pa.float64()), ("taxonomy_path", pa.string()), ("merged_from", pa.list_(pa.int64())),
+     ("lifted_words", pa.list_(pa.string()))]
+)
+TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64())])
+
+
+def load_library(run: RunDir) -> tuple[list[dict], dict]:
+    """The concepts (rows of concepts.parquet, by concept id) and config.json, checked against each other."""
+    folder = run.output_dir(layout.LIBRARY)
+    path, config_path = folder / "concepts.parquet", folder / "config.json"
+    for p in (path, config_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no concept library here; run the library stage first")
+    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
+    config = read_json(config_path)
+    # A library of the library stage (it has domains) has every column; a hand-made one needs ids and names.
+    required = CONCEPT_SCHEMA if "domain_offsets" in config else ["concept_id", "name"]
+    rows = read_parquet(path, required=required, hint=rebuild).to_pylist()
+    offsets = config.get("domain_offsets", {})
+    config["domain_offsets"] = dict(sorted(offsets.items(), key=lambda kv: kv[1]))  # id order: content first
+    for row, concept in enumerate(rows):
+        if concept["concept_id"] != row:
+            seen = [r["concept_id"] for r in rows[:row]]
+            what = "a duplicate" if concept["concept_id"] in seen else f"expected {row}"
+            raise ArtifactError(f"{path}: row {row}: concept_id is {concept['concept_id']} ({what}); concept_id must "
+                                f"be 0..{len(rows) - 1} in order; {rebuild}")
+    if config.get("n_concepts") != len(rows):
+        raise ArtifactError(f"{config_path}: n_concepts is {config.get('n_concepts')} but {path} has {len(rows)} rows")
+    for domain, offset in config.get("domain_offsets", {}).items():
+        size = config.get("domain_sizes", {}).get(domain, 0)
+        if any(r["domain"] != domain for r in rows[offset : offset + size]):
+            raise ArtifactError(f"{config_path}: domain {domain!r} (offset {offset}, size {size}) does not match the "
+                                f"'domain' column of {path}")
+    return rows, config
+
+def check_tag_to_concept(run: RunDir, n_content: int) -> None:
+    """``tag_to_concept.parquet`` maps tags to content concepts of this library only (or to null)."""
+    path = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
+    mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA).to_pydict()
+    for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
+        if concept is not None and not 0 <= concept < n_content:
+            raise ArtifactError(f"{path}: row {row} (tag {tag!r}): concept_id {concept} is not a content concept of "
+                                f"the library (0..{n_content - 1}); rebuild the library (atlas run CONFIG --force "
+                                "--stages library)")
+
+
+def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
+    """Concept ids of every tagged chunk, most frequent (by its tags) first."""
+    mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
+    concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
+    votes: dict[str, Counter] = defaultdict(Counter)
+    for row in pq.read_table(run.output_dir(layout.TAGS), columns=["chunk_id", "tag_norm"]).to_pylist():
+        concept = concept_of_tag.get(row["tag_norm"])
+        if concept is not None:
+            votes[row["chunk_id"]][concept] += 1
+    return {chunk: [c for c, _ in sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))] for chunk, v in votes.items()}

@@ -1,0 +1,42 @@
+"""Reading the tags (``RUN/tags/``) and the tag vocabulary (``RUN/tag_vocab/``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from atlas.core.files import ArtifactError, read_parquet, read_parts
+from atlas.core.rundir import RunDir
+from atlas.io import layout
+
+# One row per (chunk, field, tag).
+TAG_SCHEMA = pa.schema(
+    [("chunk_id", pa.string()), ("field", pa.string()), ("tag", pa.string()), ("tag_norm", pa.string()),
+     ("rank", pa.int16())]
+)
+# One row per normalized tag, most frequent first; row i of _embeddings.npy embeds tag i.
+VOCAB_SCHEMA = pa.schema(
+    [("tag_norm", pa.string()), ("count", pa.int64()), ("n_chunks", pa.int64()), ("fields", pa.list_(pa.string())),
+     ("variants", pa.list_(pa.string())), ("chunk_ids", pa.list_(pa.string()))]
+)
+
+
+def read_tags(run: RunDir, columns: list[str]) -> pa.Table:
+    """The given columns of every tag part, checked against the tag schema."""
+    return read_parts(run.output_dir(layout.TAGS), columns, required=TAG_SCHEMA)
+
+
+def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
+    """The vocabulary table and its aligned float16 embeddings."""
+    folder = run.output_dir(layout.TAG_VOCAB)
+    table = read_parquet(folder / "part-00000.parquet", required=VOCAB_SCHEMA)
+    try:
+        vectors = np.load(folder / "_embeddings.npy", allow_pickle=False)  # never unpickle from a run directory
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder / '_embeddings.npy'}: unreadable ({e}); "
+                         "rerun the vocab stage with --force") from None
+    if vectors.ndim != 2 or len(vectors) != table.num_rows:
+        raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but "
+                            f"{folder / 'part-00000.parquet'} has {table.num_rows} tags (row i embeds tag i); "
+                            "rerun the vocab stage with --force")
+    return table, vectors
