@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -58,55 +59,61 @@ def _load(args) -> AtlasConfig:  # noqa: F821
 
 
 def cmd_run(args) -> int:
-    from atlas.runner import run_stages
+    from atlas.core.lock import run_lock
+    from atlas.runner import check_run, run_stages
 
     config = _load(args)
+    args.run_dir = config.run_dir  # main names the stage a Ctrl-C interrupted from it
     if args.inline:
         config.execution.orchestrator = "inline"
     if args.no_progress:
         config.execution.progress = False
     stages = args.stages.split(",") if args.stages else None
-    reports = []
-    try:
-        if config.execution.orchestrator == "prefect":
-            from flows.pipeline import run_with_prefect
+    with run_lock(config.run_dir, getattr(args, "command_line", None)):
+        # Everything that can refuse the run (a conflict, a missing input, an unknown stage) is checked before
+        # anything is written: a refused run leaves the run directory as it was, report included.
+        checked = check_run(config, stages, args.force)
+        reports, interrupted = [], False
+        try:
+            if config.execution.orchestrator == "prefect" and not all(c.done for c in checked):
+                from flows.pipeline import run_with_prefect
 
-            # Check the run directory and plan shards before starting Prefect: conflicts fail fast, and a
-            # finished run does not start a Prefect server at all.
-            reports = run_stages(config, stages, args.force, plan_only=True, log=lambda msg: None)
+                reports = run_with_prefect(config, stages, args.force)
+            else:  # inline, or nothing to do (which needs no Prefect server)
+                reports = run_stages(config, stages, args.force, checked=checked)
             if all(r.skipped for r in reports):
-                for r in reports:
-                    print(f"{r.name}: already done (hash {r.stage_hash[:12]}), nothing to do")
+                print(f"Nothing to do: every stage is already done in {config.run_dir}")
             else:
-                reports = run_with_prefect(config, stages, force=False)
-        else:
-            reports = run_stages(config, stages, args.force)
-        if all(r.skipped for r in reports):
-            print(f"Nothing to do: every stage is already done in {config.run_dir}")
-        else:
-            print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
-    finally:
-        # Also after a failure (no reports then): the report shows the failed shards and what was dropped so far.
-        # A run that found nothing to do leaves an existing report as it is.
-        run_dir = Path(config.run_dir)
-        nothing_ran = reports and all(r.skipped for r in reports) and (run_dir / layout.REPORT / "index.html").exists()
-        if (run_dir / "manifest.json").exists() and not nothing_ran:
-            from atlas.tools.report import refresh_report
+                print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
+        except KeyboardInterrupt:
+            interrupted = True  # leave at once: the next run (or `atlas report RUN`) rewrites the report
+            raise
+        finally:
+            # Also after a failure (no reports then): the report shows the failed shards and what was dropped so
+            # far. A run that found nothing to do leaves an existing report as it is.
+            run_dir = Path(config.run_dir)
+            nothing_ran = (reports and all(r.skipped for r in reports)
+                           and (run_dir / layout.REPORT / "index.html").exists())
+            if not interrupted and not nothing_ran and (run_dir / "manifest.json").exists():
+                from atlas.tools.report import refresh_report
 
-            refresh_report(config.run_dir)
+                refresh_report(config.run_dir)
     return 0
 
 
 def cmd_plan(args) -> int:
+    from atlas.core.lock import run_lock
     from atlas.runner import run_stages
 
     config = _load(args)
     stages = args.stages.split(",") if args.stages else None
-    run_stages(config, stages, args.force, plan_only=True)
+    with run_lock(config.run_dir, getattr(args, "command_line", None)):
+        run_stages(config, stages, args.force, plan_only=True)
     return 0
 
 
 def cmd_stage(args) -> int:
+    """One SLURM array task: takes no run lock, so the tasks of one planned run work side by side."""
     from atlas.config import config_from_dict
     from atlas.core.extras import require
     from atlas.core.rundir import RunDir
@@ -116,12 +123,17 @@ def cmd_stage(args) -> int:
     run = RunDir(args.run_dir)
     manifest = run.read_manifest()
     info = manifest.get("stages", {}).get(args.name)
-    if not info:
+    if not info or not info.get("hash"):
         raise SystemExit(f"{run.root}: stage '{args.name}' is not planned; run `atlas plan CONFIG` first")
     if args.name not in STAGES:
         raise SystemExit(f"unknown stage '{args.name}'; stages are: {', '.join(STAGES)}")
     require(STAGES[args.name](config_from_dict(manifest["config"])).extras(), f"stage '{args.name}'")
-    shards = [s for s in range(info["num_shards"]) if s % args.num_shards == args.shard]
+    n = info["num_shards"]
+    shards = [s for s in range(n) if s % args.num_shards == args.shard]
+    if not shards:  # a mis-sized SLURM array must not look green
+        tasks = min(n, args.num_shards)
+        raise UsageError(f"--shard {args.shard} selects none of the {n} shard(s) of stage '{args.name}': its tasks "
+                         f"are 0 to {tasks - 1}; size the SLURM array to the plan (--array=0-{tasks - 1})")
     for shard in shards:
         if run.is_shard_done(STAGES[args.name].output, shard, info["hash"]):
             print(f"{args.name} shard {shard:05d}: already done")
@@ -152,7 +164,11 @@ def cmd_inspect(args) -> int:
     import pyarrow.parquet as pq
 
     from atlas.core.rundir import RunDir
+    from atlas.stages import STAGES
 
+    outputs = [stage.output for stage in STAGES.values()]
+    if args.what not in outputs:
+        raise UsageError(f"{args.what!r} is not an output folder; inspect one of: {', '.join(outputs)}")
     run = RunDir(args.run_dir)
     folder = run.output_dir(args.what)
     if not sorted(folder.glob("*.parquet")):
@@ -170,9 +186,10 @@ def cmd_inspect(args) -> int:
         _inspect_concepts(run, args)
         return 0
     if args.what == "tags":  # chunks with their tags, field by field
-        tags = ds.dataset(folder, format="parquet").to_table().to_pylist()
+        tags = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table().to_pylist()
         chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
-        texts = {r["chunk_id"]: r for r in ds.dataset(run.output_dir(layout.CHUNKS), format="parquet").to_table(
+        chunks = ds.dataset([str(p) for p in run.parts(layout.CHUNKS)], format="parquet")
+        texts = {r["chunk_id"]: r for r in chunks.to_table(
             filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
         for chunk_id in chosen:
             chunk = texts[chunk_id]
@@ -186,7 +203,7 @@ def cmd_inspect(args) -> int:
             for field, values in fields.items():
                 print(f"    {field}: {', '.join(values)}")
         return 0
-    parts = sorted(str(p) for p in folder.glob("part-*.parquet"))
+    parts = [str(p) for p in run.parts(args.what)]
     for row in ds.dataset(parts, format="parquet").head(args.n).to_pylist():
         text = row.pop("chunk_text", None)
         print("-" * 100)
@@ -307,12 +324,15 @@ def cmd_judge(args) -> int:
     config = config_from_dict(manifest["config"])
     from atlas.config import apply_override
 
-    data = config.model_dump()
+    data = dict(config.model_dump(), run_dir=str(Path(args.run_dir).resolve()))  # the run as it is now, moved or not
     for assignment in args.set or []:
         apply_override(data, assignment)
     config = config_from_dict(data)
     summary = judge_tags(config, sample=args.sample, seed=args.seed)
     print(json.dumps(summary, indent=2))
+    if summary["success_rate"] is not None:
+        print(f"success_rate {summary['success_rate']:.3f} over {summary['pairs']:,} pairs: "
+              f"{summary['success_rate_is']}")
     print(f"histograms and summary in {Path(args.run_dir) / layout.REPORT}")
     return 0
 
@@ -328,12 +348,14 @@ def cmd_eval(args) -> int:
               "annotator": run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet"}[args.what]
     if not needed.exists():
         raise SystemExit(f"{args.run_dir}: no {args.what} yet ({needed} is missing); run the pipeline that far first")
-    config = config_from_dict(manifest["config"])
+    config = config_from_dict(dict(manifest["config"], run_dir=str(run.root.resolve())))  # the run as it is now
     if args.what == "library":
         summary = evaluate_library(config, args.label_field, args.sample, args.seed)
     else:
         summary = evaluate_annotator(config, args.label_field)
     print(json.dumps(summary, indent=2))
+    if "label_metrics" in summary:  # no labels: say so last, where it is seen
+        print(f"no label metrics: {summary['label_metrics'].removeprefix('not computed: ')}")
     summary = args.what + ("_eval" if args.what == "library" else "_probe") + ".json"
     print(f"written to {run.root / layout.REPORT / summary}")
     return 0
@@ -352,6 +374,18 @@ def cmd_demo_corpus(args) -> int:
     path, counts = build_demo_corpus(args.out)
     print(f"wrote {sum(counts.values())} documents to {path}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return 0
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stage", help="run shard(s) of one planned stage (one SLURM array task)")
     p.add_argument("name", help="stage name, e.g. chunk")
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--shard", type=int, required=True, help="this task's index (e.g. $SLURM_ARRAY_TASK_ID)")
-    p.add_argument("--num-shards", type=int, default=None,
+    p.add_argument("--shard", type=_at_least(0), required=True, help="this task's index (e.g. $SLURM_ARRAY_TASK_ID)")
+    p.add_argument("--num-shards", type=_at_least(1), default=None,
                    help="number of tasks; task I runs the shards s with s %% N == I (default: one shard per task)")
     p.set_defaults(fn=cmd_stage)
 
@@ -469,8 +503,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(ValueError):
+    """A command given arguments that cannot work (a shard beyond the plan, a folder that is not an output)."""
+
+
+def _interrupted(args) -> str:
+    """The one line a Ctrl-C prints: what it stopped and how to go on."""
+    from atlas.core.rundir import RunDir
+    from atlas.tools.status import run_status
+
+    what = args.command_line
+    if args.command == "run" and getattr(args, "run_dir", None):
+        try:
+            stage = next((s for s in run_status(RunDir(args.run_dir)) if s.state in ("running", "interrupted")), None)
+        except Exception:  # whatever the run directory holds, this line must not fail
+            stage = None
+        if stage is not None:
+            what = f"stage {stage.name} ({stage.shards_done} of {stage.shards_total} shard(s) done)"
+    if args.command in ("run", "stage"):
+        return f"interrupted: {what}; finished shards are kept, rerun the same command to resume"
+    return f"interrupted: {what}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = shlex.join(["atlas", *(sys.argv[1:] if argv is None else argv)])
     # Offline machines: Prefect's anonymous usage telemetry would only log connection errors.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server can take longer than Prefect's 20 s to start on a busy laptop.
@@ -479,14 +536,19 @@ def main(argv: list[str] | None = None) -> int:
         args.num_shards = 1 << 62  # one shard per task
     from atlas.config import ConfigError
     from atlas.core.extras import MissingExtra
+    from atlas.core.lock import RunLocked
     from atlas.io.inputs import InputError
     from atlas.runner import RunConflict, StageFailed
 
     try:
         return args.fn(args)
-    except (ConfigError, InputError, RunConflict, StageFailed, MissingExtra, FileNotFoundError, FileExistsError) as e:
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
+        print(_interrupted(args), file=sys.stderr)
+        return 130
+    except (ConfigError, UsageError, InputError, RunConflict, RunLocked, StageFailed, MissingExtra, FileNotFoundError,
+            FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (ConfigError, RunConflict)) else 1
+        return 2 if isinstance(e, (ConfigError, UsageError, RunConflict)) else 1
     except OSError as e:  # a full disk, a read-only or unwritable run directory: every write is atomic
         print(f"error: {e}\nNothing written so far is lost (every file is written whole, then renamed); "
               f"fix the cause and rerun the same command to continue.", file=sys.stderr)

@@ -13,15 +13,27 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message says where and why."""
 
 
+def _is_number(annotation: Any) -> bool:
+    return annotation in (int, float) or any(a in (int, float) for a in typing.get_args(annotation))
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1: a token count, a size or a threshold given as true/false (YAML yes/no) is a mistake
+        if isinstance(v, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not a bool")
+        return v
 
 
 class InputConfig(Section):
@@ -92,6 +104,9 @@ class LLMConfig(Section):
     timeout_s: float = Field(default=120.0, gt=0)  # per request
     max_retries: int = Field(default=4, ge=0)  # transport retries: HTTP 429/5xx, timeouts, lost connections
     backoff_s: float = Field(default=1.0, ge=0)  # first wait between retries, doubled each time
+    retry_after_max_s: float = Field(default=60.0, ge=0)  # longest wait honoured from a Retry-After (429/503)
+    requests_per_minute: float | None = Field(default=None, gt=0)  # None: no limit; per shard task
+    tokens_per_minute: float | None = Field(default=None, gt=0)  # prompt + answer tokens; None: no limit
     # vllm: offline batched inference on local GPUs
     tensor_parallel_size: int = Field(default=1, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
@@ -108,7 +123,8 @@ class TagConfig(Section):
     # corpus domain -> tag schema; domains not listed use the schema of the same name, else "generic"
     domain_schemas: dict[str, str] = Field(default_factory=dict)
     max_attempts: int = Field(default=3, ge=1)  # answers that fail validation are asked again, then quarantined
-    batch_size: int = Field(default=256, ge=1)  # requests per engine call; also the cache's resume granularity
+    # requests per call of a batch engine (offline, vLLM); a server gets llm.max_concurrency at once
+    batch_size: int = Field(default=256, ge=1)
 
 
 class VocabConfig(Section):
@@ -224,7 +240,11 @@ class ExecutionConfig(Section):
     task_runner: Literal["threads", "processes", "ray"] = "threads"
     workers: int = Field(default=2, ge=1)  # shards processed at once (threads, processes)
     ray_address: str | None = None  # ray: None starts a local instance; "auto" or "ray://head:10001" joins a cluster
-    ray_gpus: dict[str, float] = Field(default_factory=dict)  # ray: GPUs per shard task by stage, e.g. {annotate: 1}
+    # ray: GPUs per actor by stage, e.g. {annotate: 1}: that stage's shards run on long-lived actors (one model load
+    # per actor, as many actors as the cluster's GPUs hold), not as one Ray task per shard
+    ray_gpus: dict[str, float] = Field(default_factory=dict)
+    shard_retries: int = Field(default=1, ge=0)  # a failed shard task is run again this many times (Prefect only)
+    shard_retry_delay_seconds: float = Field(default=5.0, ge=0)
     progress: bool = True
 
 
@@ -294,7 +314,11 @@ def apply_override(data: dict, assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {assignment!r}: '{part}' is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {assignment!r}: the value {raw!r} is not valid YAML "
+                          f"({getattr(e, 'problem', None) or e}); quote it to pass a string") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> AtlasConfig:
@@ -314,6 +338,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
         base = path.resolve().parent
         source = str(path)
+    declared = _declared_domains(data)  # before the overrides: a --set may change a domain, not add one
     for assignment in overrides:
         apply_override(data, assignment)
     try:
@@ -326,7 +351,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
             setattr(section, key, str((base / getattr(section, key)).resolve()))
     if config.input.path and "://" not in config.input.path:
         config.input.path = str((base / config.input.path).resolve())
-    if problems := _missing_files(config):
+    if problems := _missing_files(config) + _unknown_domains(config, declared):
         raise ConfigError("\n".join([f"invalid configuration in {source}:", *problems]))
     return config
 
@@ -346,6 +371,32 @@ def _missing_files(config: AtlasConfig) -> list[str]:
         for where, name in (names.items() if isinstance(names, dict) else enumerate(names)):
             if name not in available:
                 problems.append(f"  {key}.{where}: no schema {name!r} in {folder} (there are: {', '.join(available)})")
+    return problems
+
+
+def _declared_domains(data: dict) -> set[str]:
+    """The corpus domains a config file names (under chunk.domains or tag.domain_schemas)."""
+    names = set()
+    for section, key in (("chunk", "domains"), ("tag", "domain_schemas")):
+        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
+        names |= set(value) if isinstance(value, dict) else set()
+    return names
+
+
+def _unknown_domains(config: AtlasConfig, declared: set[str]) -> list[str]:
+    """Domains that only a --set brings in, and that nothing else knows: a typo (chunk.domains.wbe) would otherwise
+    add a domain silently. Known: the tag schemas' domains, the default chunk domains, input.default_domain, and
+    those the config file declares."""
+    root = Path(config.tag.schema_dir) if config.tag.schema_dir else PROJECT_ROOT / "schemas"
+    known = sorted(declared | {p.stem for p in (root / "tags").glob("*.json")} | set(_default_chunk_domains())
+                   | {config.input.default_domain})
+    problems = []
+    for key, names in (("chunk.domains", config.chunk.domains), ("tag.domain_schemas", config.tag.domain_schemas)):
+        for name in sorted(set(names) - set(known)):
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            problems.append(f"  {key}.{name}: unknown domain; {hint}(known: {', '.join(known)}; a new domain is "
+                            "declared under chunk.domains in the config file)")
     return problems
 
 

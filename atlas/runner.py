@@ -1,6 +1,8 @@
 """Run stages over a run directory: the logic that the CLI and the Prefect flow share.
 
-For each stage, in pipeline order:
+A run holds the run lock (``RUN/_lock``, one driver at a time) and is checked whole before anything
+is written (``check_run``): a refused run leaves the run directory as it was. For each stage, in
+pipeline order:
 
 1. compute its hash (its identity plus the upstream hashes) and compare it with the run
    directory's manifest: a different hash means the folder holds results of another config, and
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from atlas.config import AtlasConfig, ConfigError, config_from_dict
 from atlas.core.extras import require
 from atlas.core.files import atomic_write_json, read_json, stable_hash
+from atlas.core.lock import run_lock
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -122,29 +125,26 @@ def pipeline_order(names: Sequence[str] | None) -> list[str]:
     return [n for n in STAGES if n in names]
 
 
-def run_stages(
-    config: AtlasConfig,
-    stages: Sequence[str] | None = None,
-    force: bool = False,
-    map_shards: MapShards = map_inline,
-    plan_only: bool = False,
-    log: Callable[[str], None] = print,
-    on_stage: Callable[[RunDir, str], None] = lambda run, name: None,
-) -> list[StageReport]:
-    """Run ``stages`` (default: all) in pipeline order; ``on_stage`` is called after each one ends."""
+@dataclass
+class Checked:
+    """A stage as ``check_run`` found it: its hash, and whether its ``_SUCCESS`` already holds that hash."""
+    name: str
+    stage: Stage
+    identity: dict
+    stage_hash: str
+    done: bool
+
+
+def check_run(config: AtlasConfig, stages: Sequence[str] | None = None, force: bool = False,
+              plan_only: bool = False) -> list[Checked]:
+    """Everything that can refuse a run, checked before anything is written: unknown stages, a missing input or
+    extra, upstream stages that never ran, a run directory of another config. Reads the run directory only."""
     run = RunDir(config.run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
-    config_dict = config.model_dump()
-    manifest = run.read_manifest()
-    if not manifest:
-        manifest = {"name": config.name, "config": config_dict, "stages": {}}
-    if not plan_only:  # lets `atlas status` tell a running run from a killed one
-        manifest["driver"] = {"pid": os.getpid(), "host": socket.gethostname(),
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    run.write_manifest(manifest)
-    hashes: dict[str, str] = {name: info["hash"] for name, info in manifest.get("stages", {}).items()}
-    reports = []
     selected = pipeline_order(stages)
+    recorded = dict(run.read_manifest().get("stages", {}))
+    # A record without a hash (an older Atlas wrote half records when two runs raced) counts as no record here.
+    hashes = {name: info["hash"] for name, info in recorded.items() if info.get("hash")}
+    checked = []
     for name in selected:
         stage = STAGES[name](config)
         missing = [up for up in stage.upstream if up not in hashes]
@@ -153,16 +153,70 @@ def run_stages(
                               f"e.g. --stages {','.join([*missing, name])}")
         identity = stage.identity()
         stage_hash = stage.stage_hash({up: hashes[up] for up in stage.upstream})
-        previous = run.read_manifest().get("stages", {}).get(name)
-        if previous and previous["hash"] != stage_hash:
-            if not force:
-                raise RunConflict(
-                    f"{run.root} already holds stage '{name}' computed with a different configuration or input:\n"
-                    f"{_describe_difference(previous.get('identity', {}), identity)}\n"
-                    f"Use another --run-dir, or recompute '{name}' and the stages after it with "
-                    f"--force --stages {','.join([name, *stages_after(name)])}"
-                )
-        if force or (previous and previous["hash"] != stage_hash):
+        previous = recorded.get(name)
+        if previous and previous.get("hash") != stage_hash and not force:
+            redo = f"--force --stages {','.join([name, *stages_after(name)])}"
+            if not previous.get("hash"):
+                raise RunConflict(f"{run.root}: the manifest's record of stage '{name}' is incomplete (no hash; "
+                                  f"written by an older Atlas while two runs shared this directory), so what "
+                                  f"{run.output_dir(stage.output)} holds is unknown: recompute it with {redo}")
+            raise RunConflict(
+                f"{run.root} already holds stage '{name}' computed with a different configuration or input:\n"
+                f"{_describe_difference(previous.get('identity', {}), identity)}\n"
+                f"Use another --run-dir, or recompute '{name}' and the stages after it with {redo}"
+            )
+        if force:  # it and the stages after it are cleared before it runs
+            for later in stages_after(name):
+                hashes.pop(later, None)
+                recorded.pop(later, None)
+        hashes[name] = stage_hash
+        done = not force and run.is_stage_done(stage.output, stage_hash)
+        if not done and not plan_only:
+            unfinished = [up for up in stage.upstream
+                          if up not in selected and not run.is_stage_done(STAGES[up].output, hashes[up])]
+            if unfinished:
+                raise StageFailed(f"{name}: stage(s) {unfinished} are not finished; run them first")
+            require(stage.extras(), f"stage '{name}'")  # a core install says which extra a stage needs
+        checked.append(Checked(name, stage, identity, stage_hash, done))
+    return checked
+
+
+def run_stages(
+    config: AtlasConfig,
+    stages: Sequence[str] | None = None,
+    force: bool = False,
+    map_shards: MapShards = map_inline,
+    plan_only: bool = False,
+    log: Callable[[str], None] = print,
+    on_stage: Callable[[RunDir, str], None] = lambda run, name: None,
+    checked: list[Checked] | None = None,
+) -> list[StageReport]:
+    """Run ``stages`` (default: all) in pipeline order; ``on_stage`` is called after each one ends.
+
+    Holds the run lock (``RunLocked`` when another process drives the run). ``checked``: what ``check_run`` gave a
+    caller that holds the lock already; otherwise the run is checked here, and a refused run writes nothing."""
+    run = RunDir(config.run_dir)
+    with run_lock(run.root):
+        checked = checked if checked is not None else check_run(config, stages, force, plan_only)
+        return _run_checked(run, config, checked, force, map_shards, plan_only, log, on_stage)
+
+
+def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force: bool, map_shards: MapShards,
+                 plan_only: bool, log: Callable[[str], None],
+                 on_stage: Callable[[RunDir, str], None]) -> list[StageReport]:
+    config_dict = config.model_dump()
+    manifest = run.read_manifest()
+    if not manifest:
+        manifest = {"name": config.name, "config": config_dict, "stages": {}}
+    if not plan_only:  # lets `atlas status` tell a running run from a killed one
+        manifest["driver"] = {"pid": os.getpid(), "host": socket.gethostname(),
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    run.write_manifest(manifest)
+    hashes = {name: info["hash"] for name, info in manifest.get("stages", {}).items() if info.get("hash")}
+    reports = []
+    for item in checked:
+        name, stage, stage_hash = item.name, item.stage, item.stage_hash
+        if force:
             later = stages_after(name)
             for stale in [name, *later]:
                 for output in (STAGES[stale].output, *STAGES[stale].extra_outputs):
@@ -178,7 +232,8 @@ def run_stages(
         if run.is_stage_done(stage.output, stage_hash):
             info = run.read_manifest().get("stages", {}).get(name, {})
             if info.get("status") != "done":  # killed between _SUCCESS and its record: complete the record
-                info = dict(info, status="done", counters=read_json(run.stats_path(stage.output)).get("counters", {}),
+                info = dict(info, hash=stage_hash, identity=item.identity, output=stage.output, status="done",
+                            counters=read_json(run.stats_path(stage.output)).get("counters", {}),
                             failed_shards=[], errors={})
                 run.update_stage(name, **info)
             report.skipped = True
@@ -186,14 +241,13 @@ def run_stages(
             log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
             continue
 
-        if not plan_only:  # a core install says which extra a stage needs before it writes anything
-            require(stage.extras(), f"stage '{name}'")
         started = time.time()
         manifest = run.read_manifest()
         if manifest.get("config") != config_dict:  # `atlas stage` (SLURM tasks) runs with the manifest's config
             run.write_manifest(dict(manifest, config=config_dict))
         report.num_shards = stage.plan(run, stage_hash)
-        run.update_stage(name, hash=stage_hash, identity=identity, num_shards=report.num_shards,
+        # The record is written whole (hash first of all): readers never see a stage without its hash.
+        run.update_stage(name, hash=stage_hash, identity=item.identity, num_shards=report.num_shards,
                          status="planned" if plan_only else "running", output=stage.output, failed_shards=[],
                          errors={})
         if plan_only:

@@ -35,6 +35,8 @@ ROOT = HERE.parent
 BENCHMARKS = [
     ("chunk", ["bench_chunk.py", "--corpus", "{corpus}"], ["--repeats", "2"], [], ["{corpus}"]),
     ("tag_offline", ["bench_tag_offline.py", "--chunks", "{run}/chunks"], ["--n", "128"], [], ["{run}/chunks"]),
+    # quick: the latency's shape at a third of its scale (median 0.1 s), so the three modes take ~30 s together
+    ("llm_client", ["bench_llm_client.py"], ["--n", "900", "--concurrency", "16", "--median", "0.1"], [], []),
     ("kmeans", ["bench_kmeans.py"], ["--n", "50000", "--ks", "100,500"], [], []),
     ("louvain", ["bench_louvain.py"], ["--n", "20000", "--repeats", "2"], [], []),
     ("corpus", ["bench_corpus.py", "--run", "{run}"], ["--chunks", "100", "--rss", "300,1000"], [],

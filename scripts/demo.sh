@@ -6,7 +6,8 @@ bash scripts/setup.sh
 .venv/bin/atlas demo-corpus demo_data/corpus.jsonl
 .venv/bin/atlas run configs/demo.yaml "$@"
 .venv/bin/atlas status runs/demo
-# The concept-bottleneck LM on the demo's token shards: a toy model, a few minutes on a CPU (resumes if killed).
+# The concept-bottleneck LM on the demo's token shards: a toy model, about a minute on 2 CPU cores (resumes if
+# killed). A second run of this script recomputes nothing: train and tda say the model and transducer are there.
 .venv/bin/atlas cblm train runs/demo
 .venv/bin/atlas cblm tda runs/demo/cblm/cblm --steps 300
 echo

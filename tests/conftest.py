@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,9 +15,64 @@ import yaml
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # busy CI machines start slowly
+# Ray 2.60 turns token authentication on by default, and a process keeps the mode of its first ray.init: a driver
+# with it on rejects the calls of a cluster started with it off (tests/test_ray.py), and its actors die at once.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data" / "dev"
+
+
+# --- deadlines: a slow machine gets a failure that says what it waited for, not pytest's timeout ---------------
+
+MARGIN_S = 60  # every wait gives up this long before pytest's timeout would stop the test
+_clock: dict[str, float] = {}  # set as each test starts
+
+
+def pytest_runtest_setup(item):
+    """Start the clock of the test about to run (its fixtures included, as pytest-timeout counts them)."""
+    try:
+        timeout = float(item.config.getini("timeout") or 600)
+    except ValueError:  # pytest-timeout not installed
+        timeout = 600.0
+    _clock.update(started=time.monotonic(), timeout=timeout)
+
+
+def _limit(seconds: float) -> float:
+    """``seconds``, or less when the test would otherwise run into pytest's timeout."""
+    if not _clock:
+        return seconds
+    left = _clock["timeout"] - MARGIN_S - (time.monotonic() - _clock["started"])
+    return max(1.0, min(seconds, left))
+
+
+def wait_for(condition: Callable, what: str, timeout: float, interval: float = 0.01):
+    """Poll ``condition`` until it returns something true (returned); fail naming ``what`` after ``timeout`` s."""
+    limit = _limit(timeout)
+    start = time.monotonic()
+    while not (value := condition()):
+        if time.monotonic() - start > limit:
+            pytest.fail(f"gave up after {limit:.0f} s waiting for {what} (a slow machine, or a hang)", pytrace=False)
+        time.sleep(interval)
+    return value
+
+
+def finish_process(process: subprocess.Popen, what: str, timeout: float) -> tuple[str, str]:
+    """``process.communicate()`` within ``timeout`` s; past it, kill the process (its group, if it leads one) and
+    fail naming ``what``, with the end of what it printed."""
+    limit = _limit(timeout)
+    try:
+        out, err = process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # the CLI and what it started (Prefect's server)
+        except (ProcessLookupError, PermissionError):
+            process.kill()
+        out, err = process.communicate()
+        tail = err[-2000:] if isinstance(err, str) else ""
+        pytest.fail(f"gave up after {limit:.0f} s waiting for {what} to finish (a slow machine, or a hang); "
+                    f"it printed:\n{tail}", pytrace=False)
+    return out or "", err or ""
 
 
 @pytest.fixture(scope="session")

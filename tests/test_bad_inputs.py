@@ -13,6 +13,7 @@ shard markers removed, as after a kill) so that the command really reads the dam
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,21 @@ def _tags_part_renamed_column(run):
     unfinish(run, "tag_vocab")
 
 
+def _tags_part_missing(run):
+    run.part_path("tags", 1).unlink()  # its marker and _SUCCESS stay: vocab read the other parts and went on
+    unfinish(run, "tag_vocab")
+
+
+def _tags_part_missing_for_targets(run):
+    run.part_path("tags", 1).unlink()
+    unfinish(run, "targets")
+
+
+def _chunks_part_missing(run):
+    run.part_path("chunks", 2).unlink()
+    unfinish(run, "targets")
+
+
 def _chunks_part_truncated(run):
     truncate(run.part_path("chunks", 1))
     unfinish(run, "tags", [1])
@@ -243,6 +259,13 @@ TRAINED_CASES = [
                  id="tags-part-wrong-schema"),
     pytest.param(_chunks_part_truncated, "tag", ("chunks/part-00001.parquet", "not a readable Parquet file"),
                  id="chunks-part-truncated"),
+    pytest.param(_tags_part_missing, "vocab", ("tags/part-00001.parquet: missing (stage 'tag' has 3 part(s), "
+                                               "part-00000 to part-00002); recompute it: atlas run CONFIG --force "
+                                               "--stages tag",), id="tags-part-missing"),
+    pytest.param(_tags_part_missing_for_targets, "targets", ("tags/part-00001.parquet: missing",),
+                 id="tags-part-missing-for-targets"),
+    pytest.param(_chunks_part_missing, "targets", ("chunks/part-00002.parquet: missing (stage 'chunk' has 3 part(s)",),
+                 id="chunks-part-missing-for-targets"),
     pytest.param(_chunks_part_without_text, "annotate",
                  ("chunks/part-00000.parquet", "missing column(s) ['chunk_text']"), id="chunks-part-wrong-schema"),
     pytest.param(_vocab_embeddings_short, "cluster", ("tag_vocab/_embeddings.npy", "tags (row i embeds tag i)"),
@@ -283,6 +306,36 @@ def test_damaged_artifact_of_a_trained_run(trained, tmp_path, capsys, tamper, st
     assert code in (1, 2)
     assert_names(err, expected)
     assert_nothing_lost(run, before, stages_before, stage, manifest)
+
+
+def test_stray_files_in_a_stage_folder_are_not_read(trained, tmp_path, capsys):
+    """A copy beside a part ("part-00000 (copy).parquet") was read as one more part, and so was a part beyond the
+    stage's shard count: readers take exactly the parts the stage planned, and the outputs stay byte for byte."""
+    path, config = copy_run(trained, tmp_path)
+    run = RunDir(config.run_dir)
+    for output in ("tags", "chunks"):
+        shutil.copy(run.part_path(output, 0), run.output_dir(output) / "part-00000 (copy).parquet")
+        shutil.copy(run.part_path(output, 1), run.part_path(output, 7))
+    before = {output: run.part_path(output, 0).read_bytes() for output in ("tag_vocab", "targets")}
+    unfinish(run, "tag_vocab")
+    unfinish(run, "targets")
+    code, err = cli(["run", str(path), "--inline", "--no-progress", "--stages", "vocab,targets"], capsys)
+    assert code == 0, err
+    assert {output: run.part_path(output, 0).read_bytes() for output in before} == before
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["inspect", "RUN", "chunks"], "chunks/part-00001.parquet: missing"),
+    (["inspect", "RUN", "tags"], "chunks/part-00001.parquet: missing"),
+    (["judge", "RUN", "--sample", "3", "--set", "run_dir=RUN"], "chunks/part-00001.parquet: missing"),
+])
+def test_commands_that_read_a_run_name_a_missing_part(trained, tmp_path, capsys, command, expected):
+    _, config = copy_run(trained, tmp_path)
+    run = RunDir(config.run_dir)
+    run.part_path("chunks", 1).unlink()
+    code, err = cli([word.replace("RUN", config.run_dir) for word in command], capsys)
+    assert code == 1
+    assert_names(err, (expected,))
 
 
 # --- corpus artifacts: annotated shards, embeddings.zarr, token shards, the index ----------------------------------

@@ -32,3 +32,18 @@ def test_run_all_louvain_tiny(tmp_path):
     table = out.read_text()
     assert "community step" in table and "skipped:" in table
     assert table in proc.stdout  # the same table is printed
+
+
+def test_llm_client_benchmark_tiny(tmp_path):
+    """bench_llm_client.py against its loopback server: rows for the window, the batch barrier and bare httpx."""
+    out = tmp_path / "llm.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_llm_client.py"), "--n", "60", "--concurrency", "8",
+         "--median", "0.02", "--batch-size", "16", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["case"].split(":")[0] for r in rows] == ["window", "batch", "floor", "window vs batch barrier"]
+    for r in rows:
+        assert FIELDS <= set(r) and r["atlas"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
+    assert "window" in proc.stdout and "ideal" in proc.stdout

@@ -322,3 +322,68 @@ def test_cli_train_eval_generate_attribute(tiny_run, capsys):
     assert main(["cblm", "attribute", str(folder), "The triangle has three sides"]) == 0
     out = capsys.readouterr().out
     assert "= known" in out and "known concepts with the largest contribution" in out
+
+
+def test_a_trained_model_is_not_trained_or_evaluated_again(tiny_run, capsys, monkeypatch):
+    """A second `atlas cblm train` (a second scripts/demo.sh) says the model is trained and does nothing; --force
+    retrains from scratch."""
+    from atlas.cli import main
+
+    args = ["cblm", "train", str(tiny_run), "--name", "again"] + [x for s in TINY + ["max_steps=2"]
+                                                                   for x in ("--set", s)]
+    assert main(args) == 0
+    folder = tiny_run / "cblm" / "again"
+    files = {p: p.read_bytes() for p in (folder / "metrics.json", folder / "log.jsonl",
+                                          folder / "checkpoint" / "model.safetensors")}
+    capsys.readouterr()
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("a trained model was evaluated again")
+
+    monkeypatch.setattr("atlas.cblm.train.evaluate", no_evaluation)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"{folder} is already trained with these settings (2/2 steps; val_loss" in out and "nothing to do" in out
+    assert "--force retrains it" in out and "report:" not in out  # nothing rewritten, not even the report
+    assert all(p.read_bytes() == data for p, data in files.items())
+    assert train(TrainConfig.from_overrides(str(tiny_run), TINY + ["max_steps=2", "name=again"]),
+                 log=lambda m: None) == json.loads(files[folder / "metrics.json"])  # the API does nothing either
+    monkeypatch.chdir(tiny_run.parent)  # the same run, spelled another way
+    assert main([args[0], args[1], tiny_run.name] + args[3:]) == 0 and "already trained" in capsys.readouterr().out
+    monkeypatch.undo()
+    (folder / "transducer").mkdir()  # --force starts over: the old transducer goes with the old model
+    assert main(args + ["--force"]) == 0
+    assert "already trained" not in capsys.readouterr().out and not (folder / "transducer").exists()
+    assert len((folder / "log.jsonl").read_text().splitlines()) == 1  # a fresh log, not appended to the old one
+
+
+def test_steer_resolves_names_ids_and_suggests_the_nearest(tiny_run, capsys, monkeypatch):
+    from atlas.cblm.cli import find_concept
+    from atlas.cli import main
+
+    names = ["triangles", "python code", "rivers", "music", "academic", "academic"]
+    domains = ["content", "content", "content", "content", "content", "tone"]
+    assert find_concept(names, "rivers") == 2
+    assert find_concept(names, "  Python   CODE ") == 1  # case and whitespace do not matter
+    assert find_concept(names, "3") == find_concept(names, "#3") == 3  # a concept id
+    with pytest.raises(SystemExit, match=r"2 concepts are named 'academic': 'academic' \(id 4\), 'academic' "
+                                         r"\(id 5, tone\); give the id"):
+        find_concept(names, "academic", domains)
+    with pytest.raises(SystemExit, match=r"no concept id 9: this library has ids 0-5"):
+        find_concept(names, "9")
+    with pytest.raises(SystemExit, match=r"no concept named 'rivres'.*nearest names: 'rivers' \(id 2\)"):
+        find_concept(names, "rivres")
+    with pytest.raises(SystemExit, match=r"no concept named 'python programming'.*nearest names: 'python code'"):
+        find_concept(names, "python programming")
+    with pytest.raises(SystemExit, match="no name is close"):
+        find_concept(names, "zzz")
+
+    monkeypatch.chdir(tiny_run.parent)  # trained with a relative run directory...
+    train(TrainConfig.from_overrides(tiny_run.name, TINY + ["max_steps=1", "name=steer"]), log=lambda m: None)
+    model = str(tiny_run / "cblm" / "steer")
+    monkeypatch.chdir(tiny_run / "tokens")  # ...and used from another folder: the run is the model's RUN
+    with pytest.raises(SystemExit, match=r"nearest names: 'music' \(id 3\)"):
+        main(["cblm", "generate", model, "--prompt", "The", "--steer", "musik", "--max-new-tokens", "2"])
+    assert main(["cblm", "generate", model, "--prompt", "The", "--steer", "Python Code", "--max-new-tokens", "2"]) == 0
+    assert "steering toward concept 1 'python code' (strength 4)" in capsys.readouterr().out
+

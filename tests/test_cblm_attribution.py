@@ -222,3 +222,44 @@ def test_build_training_attribution(tiny_run):
     assert 0.0 <= result["recall_at_10"] <= 1.0 and -1.0 <= result["mean_cos_val"] <= 1.0
     assert (out / "transducer" / "transducer.safetensors").exists()
     assert load_transducer(out / "transducer").config == {"d_in": 16, "d_out": 32, "hidden": 32}
+
+
+def test_tda_keeps_a_transducer_fitted_to_the_same_checkpoint_and_settings(tiny_run, capsys, monkeypatch):
+    """A second `atlas cblm tda` (a second scripts/demo.sh) does not refit: the fit is keyed on a hash of the
+    checkpoint, the settings and the index. Another checkpoint, other settings or --force refit it."""
+    from atlas.cblm.train import TrainConfig, train
+    from atlas.cli import main
+
+    config = TrainConfig.from_overrides(str(tiny_run), ["name=tda", "seq_len=16", "d_model=16", "n_head=2",
+                                                        "n_layer=1", "unknown_rank=4", "batch_size=4", "max_steps=2",
+                                                        "eval_batches=1", "val_fraction=0.2"])
+    train(config, log=lambda m: None)
+    folder = tiny_run / "cblm" / "tda"
+    command = ["cblm", "tda", str(folder), "--steps", "20"]
+    assert main(command) == 0
+    first = capsys.readouterr().out
+    assert "already fitted" not in first and (folder / "transducer" / "fit.json").exists()
+    weights = (folder / "transducer" / "transducer.safetensors").read_bytes()
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the transducer was fitted again")
+
+    monkeypatch.setattr("atlas.cblm.attribution.train_transducer", no_fit)
+    assert main(command) == 0
+    again = capsys.readouterr().out
+    assert "is already fitted to this checkpoint with these settings" in again and "--force refits it" in again
+    assert json.loads(again[again.index("{"):again.rindex("}") + 1]) == json.loads(first[first.index("{"):
+                                                                                         first.rindex("}") + 1])
+    assert (folder / "transducer" / "transducer.safetensors").read_bytes() == weights
+    for changed in (["--steps", "21"], ["--steps", "20", "--force"]):  # other settings, or asked to
+        with pytest.raises(AssertionError, match="fitted again"):
+            main(command[:3] + changed)
+    model, state = checkpoint.load(folder)  # another checkpoint in the same folder (trained on, say)
+    with torch.no_grad():
+        model.tok_emb.weight.add_(0.01)
+    checkpoint.save(folder, model, None, state)
+    with pytest.raises(AssertionError, match="fitted again"):
+        main(command)
+    monkeypatch.undo()
+    assert main(command) == 0 and "already fitted" not in capsys.readouterr().out
+    assert main(command) == 0 and "already fitted" in capsys.readouterr().out

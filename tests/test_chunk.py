@@ -5,6 +5,9 @@ from atlas.config import ChunkConfig, ChunkDomain
 from atlas.core.stats import Stats
 from atlas.stages.chunk import Chunker, _pack
 
+# Every line terminator str.splitlines knows.
+LINE_BREAKS = ("\n", "\r\n", "\r", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+
 
 @pytest.fixture(scope="module")
 def chunker():
@@ -19,7 +22,8 @@ def check_chunks(chunker, text, domain, spans):
         assert not text[position : span.start].strip(), "only whitespace may fall between chunks"
         piece = text[span.start : span.end]
         if domain is not None and domain.splitter == "lines":  # code keeps the indentation of its first line
-            assert piece.strip() and piece == piece.rstrip() and (span.start == 0 or text[span.start - 1] == "\n")
+            assert piece.strip() and piece == piece.rstrip() and (span.start == 0 or text[span.start - 1] in "".join(
+                LINE_BREAKS))
         else:
             assert piece and piece == piece.strip(), "chunks start and end on text"
         assert span.n_tokens == len(enc.encode_ordinary(piece))
@@ -41,8 +45,8 @@ def test_real_documents_keep_the_contract(chunker, demo_records):
         check_chunks(chunker, record["text"], domain, spans)
         if domain.splitter == "lines":  # code: never cut inside a line
             for span in spans:
-                assert span.start == 0 or record["text"][span.start - 1] == "\n"
-                assert span.end == len(record["text"]) or record["text"][span.end] == "\n"
+                assert span.start == 0 or record["text"][span.start - 1] in "".join(LINE_BREAKS)
+                assert span.end == len(record["text"]) or record["text"][span.end] in "".join(LINE_BREAKS)
 
 
 def test_sentences_are_joined_up_to_the_threshold(chunker):
@@ -88,6 +92,35 @@ def test_code_is_split_at_blank_lines_then_lines(chunker):
     spans = chunker.split(one_block, ChunkDomain(max_tokens=50, splitter="lines"), Stats())
     assert len(spans) > 5 and all(s.n_tokens <= 50 for s in spans)
     check_chunks(chunker, one_block, ChunkDomain(max_tokens=50, splitter="lines"), spans)
+
+
+def test_the_code_splitter_ends_a_line_at_every_line_terminator(chunker):
+    text = "".join(f"x{i} = {i}{end}" for i, end in enumerate(LINE_BREAKS))
+    spans = chunker.split(text, ChunkDomain(max_tokens=1, splitter="lines"), Stats())
+    assert [text[s.start : s.end] for s in spans] == text.splitlines()
+
+
+@pytest.mark.parametrize("end", LINE_BREAKS, ids=repr)
+def test_code_with_any_line_terminator_is_cut_between_lines(chunker, end):
+    """Old-Mac (\r) source was one line: one chunk far over the limit, or dropped whole as a too-long "sentence"."""
+    code = end.join(f"x{i} = {i} * {i}" for i in range(200))
+    lines = ChunkDomain(max_tokens=50, splitter="lines")
+    spans = chunker.split(code, lines, Stats())
+    assert len(spans) > 5 and all(s.n_tokens <= 50 for s in spans)
+    check_chunks(chunker, code, lines, spans)
+    assert "".join(code[s.start : s.end].replace(end, "") for s in spans) == code.replace(end, "")  # whole lines
+    stats = Stats()
+    assert Chunker(max_sentence_tokens=500).split(code, lines, stats) and stats["sentences_dropped"] == 0
+
+
+@pytest.mark.parametrize("end", LINE_BREAKS, ids=repr)
+def test_the_sentence_splitter_sees_every_line_terminator_as_a_newline(chunker, end):
+    lines = ["First sentence.", "Second sentence.", "Third one!", "", "Heading", "", "Para."]
+    expected = [s.replace("\n", end) for s in [
+        "First sentence.", "Second sentence.", "Third one!", "Heading\n\nPara."]]  # what BlingFire makes of "\n"
+    text = end.join(lines)
+    spans = chunker.split(text, ChunkDomain(max_tokens=1), Stats())  # each sentence alone
+    assert [text[s.start : s.end] for s in spans] == expected
 
 
 def test_dev_corpus_token_statistics(chunker, dev_corpus):

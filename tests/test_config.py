@@ -40,7 +40,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_overrides_and_defaults(tmp_path):
     config = _load_text(
         tmp_path,
-        "chunk: {domains: {web: {max_tokens: 99}}}\ninput: {path: docs.jsonl}",
+        "chunk: {domains: {web: {max_tokens: 99}, legal: {max_tokens: 200}}}\ninput: {path: docs.jsonl}",
         ["chunk.max_sentence_tokens=1000", "chunk.domains.legal.max_tokens=300", "input.metadata_fields=[a, b]"],
     )
     assert config.chunk.for_domain("web").max_tokens == 99
@@ -55,6 +55,36 @@ def test_overrides_and_defaults(tmp_path):
         load_config(None, ["chunk.max_sentence_tokens"])
     with pytest.raises(ConfigError, match="chunk.nope: unknown key"):
         load_config(None, ["chunk.nope=1"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("chunk.domains.wbe.max_tokens=100", "chunk.domains.wbe: unknown domain; did you mean 'web'?"),
+        ("tag.domain_schemas.cdoe=code", "tag.domain_schemas.cdoe: unknown domain; did you mean 'code'?"),
+        ("chunk.domains.web.max_tokens=true", "chunk.domains.web.max_tokens: Value error, must be a number, not a "
+                                              "bool"),
+        ("chunk.max_sentence_tokens=false", "chunk.max_sentence_tokens: Value error, must be a number, not a bool"),
+        ("execution.workers=yes", "execution.workers: Value error, must be a number, not a bool"),
+    ],
+)
+def test_a_set_that_adds_an_unknown_domain_or_gives_a_bool_for_a_number_is_refused(tmp_path, override, message):
+    with pytest.raises(ConfigError) as err:
+        _load_text(tmp_path, "input: {path: docs.jsonl}", [override])
+    assert message in str(err.value)
+
+
+def test_a_set_may_change_any_known_domain(tmp_path):
+    """Known: the tag schemas' domains, the default chunk domains, input.default_domain, the file's own domains."""
+    text = ("chunk: {domains: {legal: {max_tokens: 200}}}\ntag: {domain_schemas: {forum: qa}}\n"
+            "input: {default_domain: news}")
+    overrides = ["chunk.domains.legal.max_tokens=300", "chunk.domains.forum.max_tokens=120",
+                 "chunk.domains.news.max_tokens=90", "chunk.domains.general.max_tokens=80",
+                 "chunk.domains.generic.max_tokens=70", "tag.domain_schemas.legal=academic"]
+    config = _load_text(tmp_path, text, overrides)
+    assert [config.chunk.for_domain(d).max_tokens for d in ("legal", "forum", "news", "general", "generic")] == [
+        300, 120, 90, 80, 70]
+    assert config.tag.domain_schemas == {"forum": "qa", "legal": "academic"}
 
 
 def test_shipped_configs_are_valid():

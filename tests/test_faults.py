@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_config, write_jsonl
+from conftest import finish_process, wait_for, write_config, write_jsonl
 
 from atlas.stages import STAGES
 
 pytestmark = pytest.mark.slow
 
+RUN_S = 300  # the longest a whole `atlas run` of the small pipeline may take; each wait below has its own deadline
 EXCLUDED_NAMES = {"manifest.json", "_stats.json"}
 EXCLUDED_PARTS = {"_shards", "_cache", "report", "_staging"}
 SMALL = {"library": {"ks": [8, 16]}, "tag": {"batch_size": 16},
@@ -61,10 +62,16 @@ def atlas_run(config: Path, stages: str | None = None, **popen) -> subprocess.Po
                             text=True, **popen)
 
 
-def finish(process: subprocess.Popen, timeout: float = 900) -> str:
-    out, err = process.communicate(timeout=timeout)
+def finish(process: subprocess.Popen, what: str = "`atlas run`", timeout: float = RUN_S) -> str:
+    out, err = finish_process(process, what, timeout)
     assert process.returncode == 0, err[-3000:]
     return out
+
+
+def atlas_status(run_dir: Path) -> str:
+    process = subprocess.Popen([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    return finish_process(process, "`atlas status`", 60)[0]
 
 
 def running_stage(run_dir: Path, pid: int) -> str | None:
@@ -86,7 +93,7 @@ def pipeline(tmp_path_factory, demo_records):
     docs = write_jsonl(folder / "docs.jsonl",
                        [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
     config = write_config(folder, docs, input={"docs_per_shard": 6}, **SMALL)
-    finish(atlas_run(config))
+    finish(atlas_run(config), "the uninterrupted reference run")
     return config, data_files(folder / "run")
 
 
@@ -112,8 +119,8 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
     for target in [name for name in STAGES for _ in range(2)]:
         process = atlas_run(config)
         # Wait for the target stage, or a later one when the target is already done or too quick to see.
-        while process.poll() is None and order.get(running_stage(run_dir, process.pid), -1) < order[target]:
-            time.sleep(0.005)
+        wait_for(lambda p=process, t=target: p.poll() is not None or order.get(running_stage(run_dir, p.pid), -1)
+                 >= order[t], f"`atlas run` to start stage {target} (kills so far: {kills})", 120, interval=0.005)
         if process.poll() is not None:  # the run finished: nothing left to kill
             break
         delay = rng.uniform(0, 0.3)
@@ -122,17 +129,16 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             kills.append((stage or "between stages", round(delay, 3)))
-        process.communicate()
+        finish_process(process, "the killed `atlas run` to exit", 60)
     print("kills (stage, seconds after it started):", kills)
-    out = finish(atlas_run(config))
+    out = finish(atlas_run(config), "the rerun after the kills")
     assert "index" in out
     killed_in = {stage for stage, _ in kills}
     assert len(kills) >= 16 and len(killed_in & set(STAGES)) >= 10, kills
     assert data_files(run_dir) == reference
 
-    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True,
-                            text=True)
-    assert "interrupted" not in status.stdout and status.stdout.count(" done ") >= len(STAGES)
+    status = atlas_status(run_dir)
+    assert "interrupted" not in status and status.count(" done ") >= len(STAGES)
 
 
 def test_status_says_interrupted_after_a_kill(pipeline, tmp_path):
@@ -140,13 +146,13 @@ def test_status_says_interrupted_after_a_kill(pipeline, tmp_path):
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
     process = atlas_run(config)
-    while process.poll() is None and running_stage(run_dir, process.pid) != "tag":
-        time.sleep(0.01)
+    wait_for(lambda: process.poll() is not None or running_stage(run_dir, process.pid) == "tag",
+             "`atlas run` to start stage tag", 120)
+    assert process.poll() is None, "`atlas run` ended before its tag stage could be killed"
     os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
-    status = subprocess.run([sys.executable, "-m", "atlas.cli", "status", str(run_dir)], capture_output=True,
-                            text=True)
-    assert "tag              interrupted" in status.stdout and "rerun the same command to resume" in status.stdout
+    finish_process(process, "the killed `atlas run` to exit", 60)
+    status = atlas_status(run_dir)
+    assert "tag              interrupted" in status and "rerun the same command to resume" in status
 
 
 # --- a full disk and a read-only run directory ----------------------------------------------------------
@@ -156,8 +162,9 @@ def mount_namespaces() -> bool:
     """Whether this machine lets us mount a small tmpfs in a private mount namespace (root in a container)."""
     try:
         probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                                "mount -t tmpfs -o size=64k tmpfs /mnt && umount /mnt"], capture_output=True)
-    except FileNotFoundError:
+                                "mount -t tmpfs -o size=64k tmpfs /mnt && umount /mnt"], capture_output=True,
+                               timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
         return False
     return probe.returncode == 0
 
@@ -165,8 +172,10 @@ def mount_namespaces() -> bool:
 def run_in_namespace(script: str, config: Path, stages: str) -> subprocess.CompletedProcess:
     """Run ``script`` (which mounts something) then `atlas run` in a private mount namespace."""
     command = f"{script} && exec {sys.executable} -m atlas.cli run {config} --inline --no-progress --stages {stages}"
-    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
-                          capture_output=True, text=True, timeout=900)
+    process = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", command],
+                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = finish_process(process, f"`atlas run --stages {stages}` in a private mount namespace", RUN_S)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 def limit_file_size(limit: int):
@@ -180,7 +189,7 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
     config, reference = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
-    finish(atlas_run(config, "chunk,tag"))
+    finish(atlas_run(config, "chunk,tag"), "`atlas run --stages chunk,tag`")
     before = data_files(run_dir)
     later = "vocab,cluster,coherence,label,library,targets,train_annotator,annotate,tokenize,index"
     if mount_namespaces():
@@ -191,7 +200,8 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
         expected = "No space left on device"
     else:  # no mount rights: any file past 16 KiB fails to write (EFBIG), like a full disk for big files
         process = atlas_run(config, later, preexec_fn=limit_file_size(16 << 10))
-        done = subprocess.CompletedProcess(process.args, process.returncode, *process.communicate(timeout=900))
+        out, err = finish_process(process, "`atlas run` with a 16 KiB file size limit", RUN_S)
+        done = subprocess.CompletedProcess(process.args, process.returncode, out, err)
         expected = "File too large"
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert expected in done.stderr and "error:" in done.stderr, done.stderr[-3000:]
@@ -199,7 +209,7 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
     after = data_files(run_dir)
     assert {k: v for k, v in after.items() if k in before} == before  # finished stages untouched
     assert not [p for p in run_dir.rglob("*.tmp")], "a half-written file was left behind"
-    finish(atlas_run(config))
+    finish(atlas_run(config), "the rerun after the full disk")
     assert data_files(run_dir) == reference
 
 
@@ -207,7 +217,7 @@ def test_a_read_only_run_directory_gives_a_clear_error_and_changes_nothing(pipel
     config, reference = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
-    finish(atlas_run(config, "chunk"))
+    finish(atlas_run(config, "chunk"), "`atlas run --stages chunk`")
     before = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     if mount_namespaces():
         done = run_in_namespace(f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir}", config,
@@ -216,7 +226,8 @@ def test_a_read_only_run_directory_gives_a_clear_error_and_changes_nothing(pipel
         for path in [run_dir, *run_dir.rglob("*")]:
             path.chmod(path.stat().st_mode & ~0o222)
         process = atlas_run(config, "chunk,tag")
-        done = subprocess.CompletedProcess(process.args, process.returncode, *process.communicate(timeout=900))
+        out, err = finish_process(process, "`atlas run` on a read-only run directory", RUN_S)
+        done = subprocess.CompletedProcess(process.args, process.returncode, out, err)
     else:
         pytest.skip("root without mount rights: a read-only directory cannot be made here")
     assert done.returncode == 1 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]

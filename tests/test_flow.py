@@ -5,15 +5,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import write_config, write_jsonl
+from conftest import finish_process, wait_for, write_config, write_jsonl
 from test_run import outputs
 
 from atlas.config import load_config
-from atlas.runner import run_stages
+from atlas.runner import StageFailed, run_one_shard, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -75,18 +74,47 @@ def test_sigkill_during_chunking_then_rerun_gives_identical_outputs(tmp_path, la
     env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     process = subprocess.Popen(command, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while time.time() < deadline and (not markers.exists() or len(list(markers.glob("*.json"))) < 5):
-        time.sleep(0.02)
+    wait_for(lambda: process.poll() is not None or len(list(markers.glob("*.json"))) >= 5,
+             "the Prefect run to finish 5 chunk shards (Prefect's temporary server starts first)", 240, interval=0.02)
+    assert process.poll() is None, f"`atlas run` ended (exit status {process.returncode}) before 5 shards were done"
     os.killpg(process.pid, signal.SIGKILL)  # the whole group: the CLI and Prefect's temporary server
-    process.wait()
+    finish_process(process, "the killed `atlas run` to exit", 60)
     done_at_kill = len(list(markers.glob("*.json")))
     assert 5 <= done_at_kill < 72, "the kill must land in the middle of chunking"
     assert not (tmp_path / "run" / "chunks" / "_SUCCESS").exists()
 
-    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr
-    assert f"{72 - done_at_kill} shard(s) to run, {done_at_kill} already done" in rerun.stdout + rerun.stderr
+    rerun = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    out, err = finish_process(rerun, "the rerun after the kill", 300)
+    assert rerun.returncode == 0, err
+    assert f"{72 - done_at_kill} shard(s) to run, {done_at_kill} already done" in out + err
     assert outputs(tmp_path / "run") == reference_outputs
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["stages"]["chunk"]["status"] == "done"
+
+
+def test_a_shard_task_that_fails_is_retried_before_its_shard_counts_as_failed(tmp_path, demo_records, prefect_harness,
+                                                                             monkeypatch):
+    import flows.pipeline as pipeline
+    from flows.pipeline import run_with_prefect
+
+    attempts = {0: 0, 1: 0, 2: 0}
+
+    def flaky(config, stage_name, shard, stage_hash):  # shard 1 fails once, shard 2 every time
+        attempts[shard] += 1
+        if shard == 2 or (shard == 1 and attempts[1] == 1):
+            raise OSError(f"transient failure of shard {shard}")
+        return run_one_shard(config, stage_name, shard, stage_hash)
+
+    monkeypatch.setattr(pipeline, "run_one_shard", flaky)
+    docs = write_jsonl(tmp_path / "docs.jsonl", demo_records[:30])  # 3 shards of 10 documents
+    config = load_config(write_config(tmp_path, docs, execution={
+        "orchestrator": "prefect", "workers": 2, "shard_retries": 1, "shard_retry_delay_seconds": 0}))
+    with pytest.raises(StageFailed, match=r"1 of 3 shard\(s\) failed") as failed:
+        run_with_prefect(config, ["chunk"])
+    assert "shard 00002: OSError: transient failure of shard 2" in str(failed.value)
+    assert attempts == {0: 1, 1: 2, 2: 2}  # one retry each, and none for the shard that succeeded
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["stages"]["chunk"]["failed_shards"] == [2]
+    assert sorted(p.name for p in (tmp_path / "run" / "chunks" / "_shards").glob("*.json")) == [
+        "00000.json", "00001.json"]

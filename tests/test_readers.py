@@ -1,5 +1,7 @@
 import gzip
 import json
+import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -127,3 +129,61 @@ def test_records_without_id_get_a_positional_one_and_metadata_is_kept(tmp_path):
     assert [d.doc_id for d in docs] == ["plain:0", "plain:1"]
     assert json.loads(docs[0].metadata) == {"url": "http://a"} and json.loads(docs[1].metadata) == {}
     assert docs[0].data_src == "plain"
+
+
+def test_text_that_utf8_cannot_write_is_rejected_by_record_with_its_field(tmp_path):
+    """A JSON escape gives a lone surrogate ("\\ud83d": half an emoji), which Python holds and UTF-8 cannot write."""
+    half = "\ud83d"
+    records = [
+        {"doc_id": "ok", "text": "A good document.", "url": "http://a"},
+        {"doc_id": "t", "text": f"Broken emoji {half} here."},
+        {"doc_id": f"id{half}", "text": "Fine text."},
+        {"doc_id": "d", "text": "Fine text.", "domain": f"web{half}"},
+        {"doc_id": "s", "text": "Fine text.", "data_src": half},
+        {"doc_id": "m", "text": "Fine text.", "url": {"parts": ["x", half]}},
+        {"doc_id": "ok2", "text": "Whole emoji \U0001F600 is fine."},
+    ]
+    path = write_jsonl(tmp_path / "crawl.jsonl", records)
+    assert "\\ud83d" in path.read_text()  # the escape itself is in the file, as crawls have it
+    _, docs, rejects = read_all(InputConfig(path=str(path), metadata_fields=["url"]))
+    assert [d.doc_id for d in docs] == ["ok", "ok2"]
+    assert [(r.row, r.doc_id, r.field, r.reason) for r in rejects] == [
+        (1, "t", "text", "invalid_unicode"), (2, None, "doc_id", "invalid_unicode"),
+        (3, "d", "domain", "invalid_unicode"), (4, "s", "data_src", "invalid_unicode"),
+        (5, "m", "url", "invalid_unicode")]
+    assert rejects[0].detail == "lone surrogate '\\ud83d' at character 13 (not valid Unicode)"
+    assert all(r.file == str(path) for r in rejects)
+
+
+def test_parquet_string_that_is_not_utf8_is_rejected_by_row(tmp_path):
+    """Parquet writers need not check UTF-8; one bad value failed planning or the whole shard with a bare
+    UnicodeDecodeError."""
+    def strings(values: list[bytes]) -> pa.Array:  # a string column holding the bytes as given, unchecked
+        offsets = pa.array([sum(map(len, values[:i])) for i in range(len(values) + 1)], pa.int32())
+        data = pa.py_buffer(b"".join(values))
+        return pa.Array.from_buffers(pa.string(), len(values), [None, offsets.buffers()[1], data])
+
+    table = pa.table({"doc_id": strings([b"a", b"b\xff", b"c", b"d"]),
+                      "text": strings([b"one", b"two", b"bad \xed\xa0\xbd", b"four"]),
+                      "url": strings([b"u", b"u", b"u", b"\xc0u"])})
+    pq.write_table(table, tmp_path / "w.parquet")
+    _, docs, rejects = read_all(InputConfig(path=str(tmp_path / "w.parquet"), metadata_fields=["url"]))
+    assert [d.doc_id for d in docs] == ["a"]
+    assert [(r.row, r.doc_id, r.field, r.reason, r.detail) for r in rejects] == [
+        (1, None, "doc_id", "invalid_utf8", "byte 1 of the value is not UTF-8"),
+        (2, "c", "text", "invalid_utf8", "byte 4 of the value is not UTF-8"),
+        (3, "d", "url", "invalid_utf8", "byte 0 of the value is not UTF-8")]
+
+
+def test_text_folder_bad_bytes_are_rejected_and_a_name_that_is_not_utf8_is_escaped(tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "a.txt").write_text("A fine note.")
+    (folder / "b.txt").write_bytes(b"Latin-1, not UTF-8: caf\xe9.")
+    (Path(os.fsdecode(bytes(folder) + b"/caf\xe9.txt"))).write_text("A note whose name is Latin-1.")
+    _, docs, rejects = read_all(InputConfig(path=str(folder)))
+    assert [(r.row, r.field, r.reason, r.detail) for r in rejects] == [
+        (1, "(record)", "invalid_utf8", "byte 23 of b.txt")]
+    assert [d.doc_id for d in docs] == ["a.txt", "caf\\udce9.txt"]  # writable, and still unique
+    assert docs[1].source == "notes:2" and docs[1].text == "A note whose name is Latin-1."
+    pa.table({"doc_id": [d.doc_id for d in docs], "source": [d.source for d in docs]})  # Arrow takes them

@@ -1,6 +1,10 @@
 """The stage machinery end to end on the chunk stage: outputs, skip-if-done, conflicts, --force, resume."""
 
+import hashlib
 import json
+import os
+import shutil
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -128,7 +132,7 @@ def test_broken_input_file_is_named_before_any_work(tmp_path, capsys):
 
 
 def test_a_failed_shard_keeps_the_finished_ones_and_the_rerun_does_only_it(tmp_path, capsys):
-    """Corrupt the middle of a large Parquet file (its footer and fingerprint stay valid)."""
+    """Corrupt the middle of a large Parquet file (its footer stays valid, so only the shard reading it fails)."""
     rng = np.random.default_rng(0)
     words = np.array(["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"])
     texts = [" ".join(rng.choice(words, 300)) + f" {rng.integers(1 << 60)}." for _ in range(3000)]
@@ -155,11 +159,104 @@ def test_a_failed_shard_keeps_the_finished_ones_and_the_rerun_does_only_it(tmp_p
     assert "chunk            failed" in status and "5/6" in status
     assert "FAILED shard 00003:" in status and "big.parquet: row group 3" in status
     assert "tag              not started" in status
-    path.write_bytes(original)  # repaired: same fingerprint, so the same stage; only shard 3 runs
-    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 1  # the same command retries shard 3
     assert "1 shard(s) to run, 5 already done" in capsys.readouterr().out
+    path.write_bytes(original)  # repaired: an edit of the input like any other, so the stage is recomputed whole
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 2
+    assert "computed with a different configuration or input" in capsys.readouterr().err
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk", "--force"]) == 0
+    assert "6 shard(s) to run" in capsys.readouterr().out
 
 
 def test_a_stage_whose_upstream_never_ran_says_what_to_run(tmp_path, small_input, capsys):
     assert main(["run", str(write_config(tmp_path, small_input)), "--inline", "--stages", "tag"]) == 1
     assert "tag: needs stage(s) ['chunk'] first" in capsys.readouterr().err
+
+
+def test_a_record_utf8_cannot_write_is_rejected_and_the_rest_of_its_shard_kept(tmp_path, capsys, demo_records):
+    """A lone surrogate escape ("\\ud83d", half an emoji) failed the whole shard with UnicodeEncodeError on every
+    rerun, naming no file or row."""
+    records = [{"id": r["id"], "text": r["text"]} for r in demo_records[:9]]
+    records.insert(4, {"id": "half-emoji", "text": "Great news \ud83d! More text follows."})
+    docs = write_jsonl(tmp_path / "crawl.jsonl", records)
+    assert main(["run", str(write_config(tmp_path, docs)), "--inline", "--stages", "chunk"]) == 0
+    run = RunDir(tmp_path / "run")
+    kept = pq.read_table(run.output_dir("chunks"), columns=["doc_id"]).column(0).to_pylist()
+    assert sorted(set(kept)) == sorted(r["id"] for r in demo_records[:9])
+    [reject] = pq.read_table(run.output_dir("chunks") / "_rejects").to_pylist()
+    assert reject == {"file": str(docs), "row": 4, "doc_id": "half-emoji", "field": "text",
+                      "reason": "invalid_unicode",
+                      "detail": "lone surrogate '\\ud83d' at character 11 (not valid Unicode)"}
+    assert json.loads(run.stats_path("chunks").read_text())["counters"]["dropped.invalid_unicode"] == 1
+
+
+def test_every_dropped_document_is_listed_in_the_rejects(tmp_path):
+    """A document whose every sentence is over chunk.max_sentence_tokens was counted as no_chunks_left, not listed."""
+    records = [{"id": "short", "text": "A short sentence. Another one."},
+               {"id": "long", "text": "This sentence goes on " + "and on " * 200 + "until it ends."},
+               {"id": "empty", "text": "  "}, {"id": "null", "text": None}]
+    config = load_config(write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", records),
+                                      chunk={"max_sentence_tokens": 100}))
+    run_stages(config, ["chunk"], log=lambda m: None)
+    run = RunDir(config.run_dir)
+    rejects = pq.read_table(run.output_dir("chunks") / "_rejects").to_pylist()
+    assert sorted((r["row"], r["doc_id"], r["reason"]) for r in rejects) == [
+        (1, "long", "no_chunks_left"), (2, "empty", "empty_document"), (3, "null", "null_text")]
+    assert rejects[0]["detail"] == ("every sentence or line is over chunk.max_sentence_tokens (100 tokens) and was "
+                                    "dropped")
+    counters = json.loads(run.stats_path("chunks").read_text())["counters"]
+    assert sum(v for k, v in counters.items() if k.startswith("dropped.")) == len(rejects)
+
+
+def _padded_parquet(path, texts):
+    """Parquet whose text column sits between two 1.5 MB columns the chunker never reads: the text is in the middle
+    of the file, more than 1 MiB from either end."""
+    rng = np.random.default_rng(0)
+    pad = [rng.bytes(150_000) for _ in texts]
+    pq.write_table(pa.table({"pad_a": pad, "id": [f"d{i}" for i in range(len(texts))], "text": texts, "pad_b": pad}),
+                   path, compression="none")
+    return path
+
+
+def test_a_same_length_edit_in_the_middle_of_a_large_input_is_seen(tmp_path, capsys):
+    """The fingerprint hashed the first and last MiB only: a redaction in the middle left chunk "already done"."""
+    texts = [f"Record {i} belongs to Alice Smith of Springfield." for i in range(10)]
+    path = _padded_parquet(tmp_path / "big.parquet", texts)
+    config_path = write_config(tmp_path, path)
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
+    data = path.read_bytes()
+    at = data.index(b"Alice Smith")
+    assert 1 << 20 < at < len(data) - (1 << 20)
+    path.write_bytes(data[:at] + b"XXXXX XXXXX" + data[at + 11:])  # same length, footer untouched
+    capsys.readouterr()
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 2
+    err = capsys.readouterr().err
+    assert "computed with a different configuration or input" in err and "files.big.parquet.sha256: " in err
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk", "--force"]) == 0
+    texts = pq.read_table(tmp_path / "run" / "chunks", columns=["chunk_text"]).column(0).to_pylist()
+    assert texts[0] == "Record 0 belongs to XXXXX XXXXX of Springfield." and "Alice Smith" in texts[1]
+
+
+def test_the_full_hash_is_cached_by_size_times_and_inode_and_copies_keep_the_run(tmp_path, capsys):
+    texts = [f"Document {i} has a sentence." for i in range(10)]
+    path = _padded_parquet(tmp_path / "big.parquet", texts)
+    settled = time.time_ns() - 3_600 * 10**9
+    os.utime(path, ns=(settled, settled))  # a file written a while ago (a fresh one is hashed again, see files.py)
+    config_path = write_config(tmp_path, path)
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
+    cache_path = tmp_path / "run" / "_cache" / "fingerprints.json"
+    cache = json.loads(cache_path.read_text())
+    assert list(cache) == [str(path)] and cache[str(path)]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    # An unchanged stamp is trusted, the file is not read again: a wrong hash in the cache shows as a changed input.
+    tampered = json.dumps({str(path): dict(cache[str(path)], sha256="0" * 64)})
+    cache_path.write_text(tampered)
+    capsys.readouterr()
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 2
+    assert cache_path.read_text() == tampered  # a refused run writes nothing, not even to the cache
+    os.utime(path)  # any write moves mtime: the file is hashed again, and its content is what the run was made from
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
+    assert "chunk: already done" in capsys.readouterr().out
+    shutil.copy(path, tmp_path / "copy.parquet")  # an identical file (new inode and times) is the same input
+    os.replace(tmp_path / "copy.parquet", path)
+    assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
+    assert "chunk: already done" in capsys.readouterr().out

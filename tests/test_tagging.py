@@ -111,15 +111,16 @@ def test_request_cache_misses_when_anything_the_engine_sees_changes(tmp_path):
     from atlas.llm.engine import LLMRequest, LLMResult
 
     request = LLMRequest(key="doc:00001#1", system="s", user="the chunk text", schema={"type": "object"})
-    cache = RequestCache(tmp_path / "c.sqlite", {"engine": "openai", "model": "m"})
-    cache.put_many([request], [LLMResult(request.key, text='{"a": 1}', finish_reason="stop", tokens_in=5)])
-    cache.put_many([request], [LLMResult(request.key, error="http_500")])  # errors are not cached over answers
-    assert cache.get_many([request])[request.key].text == '{"a": 1}'
+    cache = RequestCache(tmp_path / "c.jsonl", {"engine": "openai", "model": "m"})
+    cache.put(request, LLMResult(request.key, text='{"a": 1}', finish_reason="stop", tokens_in=5))
+    cache.put(request, LLMResult(request.key, error="http_500"))  # errors are not cached over answers
+    assert cache.get(request).text == '{"a": 1}'
     changed = LLMRequest(key="doc:00001#1", system="s", user="another chunk text", schema={"type": "object"})
-    assert cache.get_many([changed]) == {}
+    assert cache.get(changed) is None
     cache.close()
-    other_model = RequestCache(tmp_path / "c.sqlite", {"engine": "openai", "model": "m2"})
-    assert other_model.get_many([request]) == {}
+    assert RequestCache(tmp_path / "c.jsonl", {"engine": "openai", "model": "m"}).get(request).tokens_in == 5
+    other_model = RequestCache(tmp_path / "c.jsonl", {"engine": "openai", "model": "m2"})
+    assert other_model.get(request) is None
 
 
 @pytest.mark.slow

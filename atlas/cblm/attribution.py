@@ -25,6 +25,7 @@ a trained model and saves the transducer to MODEL/transducer/ (safetensors weigh
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from pathlib import Path
 
@@ -262,15 +263,49 @@ def transducer_recall(run_dir: str | Path, transducer: Transducer, states: np.nd
     return float(np.mean([cid in {c for c, _ in hits} for cid, hits in zip(chunk_ids, found)]))
 
 
+def transducer_key(run_dir: str | Path, model_folder: str | Path, settings: dict) -> str:
+    """What a fitted transducer depends on: the model's weights (sha256 of its checkpoint), the fitting settings and
+    the index it maps into (the run's annotate and index stage hashes)."""
+    from atlas.cblm import checkpoint
+    from atlas.core.rundir import RunDir
+
+    found = checkpoint.find(Path(model_folder))
+    if found is None:
+        raise FileNotFoundError(f"{model_folder}: no checkpoint; train the model first (atlas cblm train RUN)")
+    digest = hashlib.sha256()
+    with open(found / "model.safetensors", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    stages = RunDir(run_dir).read_manifest().get("stages", {})
+    upstream = {name: stages.get(name, {}).get("hash") for name in ("annotate", "index")}
+    return hashlib.sha256(json.dumps([digest.hexdigest(), settings, upstream], sort_keys=True).encode()).hexdigest()
+
+
 def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hidden: int = 256, steps: int = 1000,
                                lr: float = 1e-3, batch_size: int = 16, nprobe: int = 16, seed: int = 0,
-                               device: str = "cpu", index_folder: str | Path | None = None) -> dict:
+                               device: str = "cpu", index_folder: str | Path | None = None,
+                               force: bool = False) -> dict:
     """Train the transducer of the model in ``model_folder`` (RUN/cblm/<name>) on the pooled states of the chunks
     of its training windows, save it to ``model_folder/transducer/`` and score it on the held-out chunks (those of
-    the validation windows that no training window touches)."""
+    the validation windows that no training window touches).
+
+    ``transducer/fit.json`` records the fit's key (``transducer_key``: checkpoint, settings, index) and its scores:
+    when the key is unchanged the saved transducer is kept and its scores are returned with ``reused`` True (no
+    refit), unless ``force``."""
     from atlas.cblm import checkpoint
     from atlas.cblm.data import TokenData
     from atlas.io.embedding_store import open_embeddings
+
+    folder = Path(model_folder) / TRANSDUCER
+    settings = {"hidden": hidden, "steps": steps, "lr": lr, "batch_size": batch_size, "nprobe": nprobe, "seed": seed,
+                "index_folder": str(index_folder) if index_folder else None}
+    key = transducer_key(run_dir, model_folder, settings)
+    fit = folder / "fit.json"
+    if not force and fit.exists() and (folder / "transducer.safetensors").exists():
+        saved = json.loads(fit.read_text())
+        if saved.get("key") == key:
+            return saved["result"] | {"key": key[:12], "reused": True}
+    fit.unlink(missing_ok=True)  # a fit interrupted from here on leaves no record that claims it
 
     model, state = checkpoint.load(Path(model_folder), device)
     data = TokenData(run_dir, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
@@ -292,9 +327,13 @@ def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hi
     train_rows = {int(r) for r in np.unique(data.chunk_rows[data.train_windows, :data.seq_len].numpy())}
     val_states, val_targets, val_ids = aligned(data.val_windows, train_rows)
     transducer = train_transducer(train_states, train_targets, hidden, steps, lr, seed=seed, device=device)
-    save_transducer(Path(model_folder) / TRANSDUCER, transducer)
-    return {"train_chunks": len(train_ids), "val_chunks": len(val_ids),
-            "recall_at_10": transducer_recall(run_dir, transducer, val_states, val_ids, 10, nprobe, index_folder)
-            if val_ids else float("nan"),
-            "mean_cos_val": mean_cos(transducer, val_states, val_targets) if val_ids else float("nan"),
-            "mean_cos_train": mean_cos(transducer, train_states, train_targets)}
+    save_transducer(folder, transducer)
+    result = {"train_chunks": len(train_ids), "val_chunks": len(val_ids),
+              "recall_at_10": transducer_recall(run_dir, transducer, val_states, val_ids, 10, nprobe, index_folder)
+              if val_ids else float("nan"),
+              "mean_cos_val": mean_cos(transducer, val_states, val_targets) if val_ids else float("nan"),
+              "mean_cos_train": mean_cos(transducer, train_states, train_targets)}
+    tmp = fit.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "settings": settings, "result": result}, indent=2))
+    tmp.rename(fit)
+    return result | {"key": key[:12], "reused": False}

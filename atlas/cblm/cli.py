@@ -1,15 +1,16 @@
 """``atlas cblm ...``: train, evaluate, generate from and steer the concept-bottleneck LM.
 
-    atlas cblm train RUN [--name cblm] [--baseline] [--set d_model=128 ...]   -> RUN/cblm/<name>/
+    atlas cblm train RUN [--name cblm] [--baseline] [--set d_model=128 ...] [--force]   -> RUN/cblm/<name>/
     atlas cblm eval RUN/cblm/<name>
     atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 4 [--compare]]
-    atlas cblm tda RUN/cblm/<name>                 fit the transducer into the run's index (training-data attribution)
+    atlas cblm tda RUN/cblm/<name> [--force]       fit the transducer into the run's index (training-data attribution)
     atlas cblm attribute RUN/cblm/<name> "text"    the concepts behind a text's logits, and its nearest training chunks
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from pathlib import Path
 
@@ -18,35 +19,69 @@ EXAMPLES = """examples:
   atlas cblm train runs/demo --baseline                 # the same backbone and budget without the concept module
   atlas cblm train runs/demo --name diff --set objective=diffusion --set block_size=16
   atlas cblm eval runs/demo/cblm/cblm
-  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "python programming" \
+  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "computer programming" \
 --strength 4 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"
 """
 
 
-def _concept_names(run_dir: Path) -> list[str]:
+def _concepts(run_dir: Path) -> list[dict]:
     from atlas.core.rundir import RunDir
     from atlas.io.library import load_library
 
     concepts, _ = load_library(RunDir(run_dir))
-    return [c["name"] for c in concepts]
+    return concepts
 
 
-def find_concept(names: list[str], query: str) -> int:
-    """The concept named ``query`` (case-insensitive), or the only one whose name contains it."""
-    lowered = [n.lower() for n in names]
-    if query.lower() in lowered:
-        return lowered.index(query.lower())
-    matches = [i for i, n in enumerate(lowered) if query.lower() in n]
-    if len(matches) == 1:
-        return matches[0]
-    shown = ", ".join(repr(names[i]) for i in matches[:10]) or "none"
-    raise SystemExit(f"error: {len(matches)} concepts match {query!r} ({shown}); give the exact name")
+def _concept_names(run_dir: Path) -> list[str]:
+    return [c["name"] for c in _concepts(run_dir)]
+
+
+def _run_dir(model: str | Path, state: dict) -> str:
+    """The run a model was trained on: RUN of RUN/cblm/<name>, so the commands work from any folder (the run_dir
+    saved at training is relative to where `atlas cblm train` ran); else that saved run_dir."""
+    here = Path(model).resolve().parent.parent
+    return str(here) if (here / "tokens").is_dir() else state["train_config"]["run_dir"]
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def find_concept(names: list[str], query: str, domains: list[str | None] | None = None) -> int:
+    """The id of the concept that ``query`` names: its exact name, else its name ignoring case and extra whitespace,
+    else a concept id (``12`` or ``#12``). Anything else stops with the nearest names (difflib, then names sharing a
+    word with the query), so a typo or a guess shows what the library holds."""
+    def shown(ids: list[int]) -> str:
+        kinds = [domains[i] if domains and domains[i] not in (None, "content") else None for i in ids]
+        return ", ".join(f"{names[i]!r} (id {i}{f', {kind}' if kind else ''})" for i, kind in zip(ids, kinds))
+
+    normal = [_normal(n) for n in names]
+    for same in ([i for i, n in enumerate(names) if n == query],
+                 [i for i, n in enumerate(normal) if n == _normal(query)]):
+        if len(same) == 1:
+            return same[0]
+        if same:
+            raise SystemExit(f"error: {len(same)} concepts are named {query!r}: {shown(same)}; give the id, "
+                             f"e.g. --steer {same[0]}")
+    number = query.strip().removeprefix("#")
+    if number.isdigit():
+        if int(number) < len(names):
+            return int(number)
+        raise SystemExit(f"error: no concept id {number}: this library has ids 0-{len(names) - 1}")
+    close = difflib.get_close_matches(_normal(query), normal, n=8, cutoff=0.6)
+    words = set(_normal(query).split())
+    sharing = sorted((i for i, n in enumerate(normal) if words & set(n.split())),
+                     key=lambda i: -difflib.SequenceMatcher(None, _normal(query), normal[i]).ratio())
+    nearest = list(dict.fromkeys([normal.index(n) for n in close] + sharing))[:8]
+    hint = f"nearest names: {shown(nearest)}" if nearest else "no name is close"
+    raise SystemExit(f"error: no concept named {query!r} among the {len(names)} concepts of the run's library; "
+                     f"{hint}. Give a name exactly (any case) or a concept id; `atlas inspect RUN library` lists them")
 
 
 def cmd_train(args) -> int:
-    from atlas.cblm.train import TrainConfig, train
+    from atlas.cblm.train import TrainConfig, model_folder, train, trained_metrics
     from atlas.tools.report import refresh_report
 
     overrides = list(args.set or [])
@@ -54,7 +89,13 @@ def cmd_train(args) -> int:
         overrides.append("concepts=false")
     name = args.name or ("baseline" if args.baseline else "cblm")
     config = TrainConfig.from_overrides(str(Path(args.run_dir)), [f"name={name}"] + overrides)
-    metrics = train(config)
+    if not args.force and (done := trained_metrics(config)) is not None:
+        print(f"{model_folder(config)} is already trained with these settings ({done.get('step')}/{config.max_steps} "
+              f"steps; val_loss {done.get('val_loss', float('nan')):.4f} in metrics.json): nothing to do.\n"
+              "  --force retrains it from scratch; --name NAME trains another model beside it; "
+              f"`atlas cblm eval {model_folder(config)}` evaluates it again.")
+        return 0
+    metrics = train(config, force=args.force)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}, indent=2))
     print(f"model and metrics in {Path(args.run_dir) / 'cblm' / name}")
     refresh_report(args.run_dir)  # the run report gains this model's metrics and loss curve
@@ -68,7 +109,7 @@ def cmd_eval(args) -> int:
 
     model, state = checkpoint.load(Path(args.model), args.device)
     train_config = state["train_config"]
-    data = TokenData(train_config["run_dir"], train_config["seq_len"], train_config["val_fraction"],
+    data = TokenData(_run_dir(args.model, state), train_config["seq_len"], train_config["val_fraction"],
                      vocab=state["vocab"])
     metrics = evaluate(model, data, batches=None, batch_size=train_config["batch_size"], device=args.device,
                        seed=train_config["seed"], alignment=True)
@@ -84,8 +125,8 @@ def cmd_generate(args) -> int:
     codec = Codec(state["vocab"])
     steer = concept = None
     if args.steer:
-        run_dir = Path(state["train_config"]["run_dir"])
-        concept = find_concept(_concept_names(run_dir), args.steer)
+        concepts = _concepts(Path(_run_dir(args.model, state)))
+        concept = find_concept([c["name"] for c in concepts], args.steer, [c.get("domain") for c in concepts])
         steer = steering_for(model, [concept], args.strength, args.layer)
     if args.compare:
         if concept is None:
@@ -94,16 +135,21 @@ def cmd_generate(args) -> int:
         from atlas.cblm.metrics import lifted_tokens
 
         config = state["train_config"]
-        data = TokenData(config["run_dir"], config["seq_len"], config["val_fraction"], vocab=state["vocab"])
+        data = TokenData(_run_dir(args.model, state), config["seq_len"], config["val_fraction"],
+                         vocab=state["vocab"])
         lifted = lifted_tokens(data, top=200, min_support=20)[concept]
         effect = steering_effect(model, codec, concept, args.strength, [args.prompt], lifted, args.max_new_tokens,
                                  args.samples, args.temperature, args.layer)
-        print(f"concept {concept}: {args.steer}   gamma {effect['gamma']:.2f} from layer {effect['layer']}")
+        print(f"concept {concept}: {concepts[concept]['name']}   gamma {effect['gamma']:.2f} "
+              f"from layer {effect['layer']}")
         print(f"most lifted tokens: {effect['lifted_tokens'][:20]}")
         print(f"--- before ---\n{effect['text_before']}\n--- after ---\n{effect['text_after']}")
         print(f"lifted-token frequency over {args.samples} samples: {effect['lifted_frequency_before']:.4f} -> "
               f"{effect['lifted_frequency_after']:.4f}")
         return 0
+    if concept is not None:
+        print(f"steering {'toward' if args.strength >= 0 else 'away from'} concept {concept} "
+              f"{concepts[concept]['name']!r} (strength {args.strength:g})")
     ids, dropped = codec.encode(args.prompt)
     if dropped:
         print(f"({dropped} prompt token(s) are not in this model's vocabulary and were left out)")
@@ -131,7 +177,7 @@ def cmd_attribute(args) -> int:
     if model.concepts is None:
         raise SystemExit("error: this model has no concept module (a baseline): nothing to attribute")
     codec = Codec(state["vocab"])
-    names = _concept_names(Path(state["train_config"]["run_dir"]))
+    names = _concept_names(Path(_run_dir(args.model, state)))
     ids, _ = codec.encode(args.text)
     ids = ids[: model.config.seq_len + 1]
     idx = torch.tensor([ids[:-1]], device=args.device)
@@ -156,8 +202,7 @@ def cmd_attribute(args) -> int:
         with torch.no_grad():
             state_vector = model.concepts(model.hidden(idx)).h_bar.mean(1).cpu().numpy()
         print("nearest training chunks (transducer -> IVFPQ index):")
-        for chunk_id, score in nearest_training_chunks(state["train_config"]["run_dir"], transducer, state_vector,
-                                                       k=5)[0]:
+        for chunk_id, score in nearest_training_chunks(_run_dir(args.model, state), transducer, state_vector, k=5)[0]:
             print(f"  {score:.3f}  {chunk_id}")
     return 0
 
@@ -166,10 +211,14 @@ def cmd_tda(args) -> int:
     from atlas.cblm.attribution import build_training_attribution
 
     state = json.loads((Path(args.model) / "checkpoint" / "state.json").read_text())
-    result = build_training_attribution(state["train_config"]["run_dir"], args.model, steps=args.steps,
-                                        device=args.device)
+    result = build_training_attribution(_run_dir(args.model, state), args.model, steps=args.steps,
+                                        device=args.device, force=args.force)
+    folder = Path(args.model) / "transducer"
+    if result.pop("reused"):
+        print(f"the transducer in {folder} is already fitted to this checkpoint with these settings "
+              f"(key {result['key']}, fit.json): nothing to do; --force refits it. Its scores:")
     print(json.dumps(result, indent=2))
-    print(f"transducer saved in {Path(args.model) / 'transducer'}; `atlas cblm attribute` now lists training chunks")
+    print(f"transducer in {folder}; `atlas cblm attribute` lists a text's nearest training chunks")
     return 0
 
 
@@ -184,6 +233,8 @@ def add_parser(sub) -> None:
     p.add_argument("--name", help="output folder under RUN/cblm (default: cblm, or baseline with --baseline)")
     p.add_argument("--baseline", action="store_true", help="no concept module: the same backbone and budget")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting (repeatable)")
+    p.add_argument("--force", action="store_true", help="delete RUN/cblm/<name> (model, log, metrics, transducer) "
+                                                        "and train from scratch; without it a trained model is kept")
     p.set_defaults(fn=cmd_train)
 
     p = cblm.add_parser("eval", help="validation metrics of a trained model on all held-out windows")
@@ -194,7 +245,7 @@ def add_parser(sub) -> None:
     p = cblm.add_parser("generate", help="continue a prompt, optionally steered toward (or away from) a concept")
     p.add_argument("model", help="RUN/cblm/<name>")
     p.add_argument("--prompt", default="", help="text to continue")
-    p.add_argument("--steer", help="a concept name from the run's library")
+    p.add_argument("--steer", help="a concept of the run's library: its name (any case) or its id")
     p.add_argument("--strength", type=float, default=4.0, help="tau: > 0 amplifies, < 0 suppresses")
     p.add_argument("--layer", type=int, default=None, help="inject from this layer on (default: n_layer // 2)")
     p.add_argument("--compare", action="store_true", help="with and without steering, and the concept's "
@@ -210,6 +261,8 @@ def add_parser(sub) -> None:
                                      "states into the run's IVFPQ index, and measure held-out self-recall@10")
     p.add_argument("model", help="RUN/cblm/<name> (the run needs its index stage)")
     p.add_argument("--steps", type=int, default=1000, help="transducer training steps")
+    p.add_argument("--force", action="store_true", help="refit even when the transducer was fitted to this "
+                                                        "checkpoint with these settings")
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=cmd_tda)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -147,17 +148,49 @@ def configure_optimizer(model: CBLM, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
 
 
-def train(config: TrainConfig, log=print, stop_after: int | None = None) -> dict:
-    """Train (or resume) and return the final validation metrics. ``stop_after``: return after that many steps
-    of this call, as if killed right after a checkpoint (for tests of resume)."""
-    out = Path(config.run_dir) / "cblm" / config.name
+def model_folder(config: TrainConfig) -> Path:
+    return Path(config.run_dir) / "cblm" / config.name
+
+
+def changed_settings(saved: dict, config: TrainConfig) -> dict:
+    """{setting: (saved, now)} for the settings that differ. run_dir is not compared: the model lives in
+    RUN/cblm/<name>, so `runs/demo` and `/abs/path/runs/demo` name the same run."""
+    now = asdict(config)
+    return {k: (saved.get(k), v) for k, v in now.items() if k != "run_dir" and saved.get(k) != v}
+
+
+def trained_metrics(config: TrainConfig) -> dict | None:
+    """The final metrics (metrics.json) of a model already trained with exactly ``config`` to its last step, or
+    None when there is training (or the final evaluation) left to do."""
+    out = model_folder(config)
+    found = checkpoint.find(out)
+    if found is None or not (out / "metrics.json").exists():
+        return None
+    saved = json.loads((found / "state.json").read_text())
+    if changed_settings(saved["train_config"], config) or saved["step"] < config.max_steps:
+        return None
+    return json.loads((out / "metrics.json").read_text())
+
+
+def train(config: TrainConfig, log=print, stop_after: int | None = None, force: bool = False) -> dict:
+    """Train (or resume) and return the final validation metrics. A model already trained with this config is
+    left alone (its metrics.json is returned, nothing is evaluated again); ``force`` deletes RUN/cblm/<name> first
+    and trains from scratch. ``stop_after``: return after that many steps of this call, as if killed right after a
+    checkpoint (for tests of resume)."""
+    out = model_folder(config)
+    if force and out.exists():
+        shutil.rmtree(out)
+        log(f"--force: removed {out}; training from scratch")
+    if (done := trained_metrics(config)) is not None:
+        log(f"{out} is already trained ({done.get('step')} steps): nothing to do")
+        return done
     out.mkdir(parents=True, exist_ok=True)
     found = checkpoint.find(out)
     saved = json.loads((found / "state.json").read_text()) if found else None
-    if saved and saved["train_config"] != asdict(config):
-        changed = {k: (v, asdict(config)[k]) for k, v in saved["train_config"].items() if asdict(config).get(k) != v}
-        raise ValueError(f"{out} holds a model trained with another configuration {changed}; "
-                         f"use another --name, or delete {out} to start over")
+    if saved and (changed := changed_settings(saved["train_config"], config)):
+        raise ValueError(f"{out} holds a model trained with another configuration {changed}; add --force to "
+                         "retrain it from scratch (the schedules depend on max_steps, so a longer run starts over), "
+                         "or train another model beside it with --name")
 
     # data: windows of the token shards, in the vocabulary of the checkpoint when resuming
     data = TokenData(config.run_dir, config.seq_len, config.val_fraction, config.compact_vocab,

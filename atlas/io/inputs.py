@@ -24,6 +24,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -62,6 +63,46 @@ class Reject:
     field: str
     reason: str
     detail: str
+
+
+class _NotUtf8(NamedTuple):
+    """A Parquet string value whose bytes are not UTF-8 (Parquet writers need not check): its row is rejected."""
+
+    byte: int
+
+
+def _column_values(column: pa.ChunkedArray | pa.Array) -> list:
+    """A column as Python values; one value that is not UTF-8 becomes _NotUtf8, instead of failing the whole shard."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        values = []
+        for scalar in column:
+            try:
+                values.append(scalar.as_py())
+            except UnicodeDecodeError as e:
+                values.append(_NotUtf8(e.start))
+        return values
+
+
+def _unwritable(value) -> tuple[str, str] | None:
+    """(reason, detail) when ``value`` (a string or any JSON value) holds text that UTF-8, and so Arrow and Parquet,
+    cannot write, else None. Python strings can hold lone surrogates, e.g. the JSON escape "\\ud83d" (half an emoji,
+    common in web crawls), which no UTF-8 encoder accepts."""
+    if isinstance(value, _NotUtf8):
+        return "invalid_utf8", f"byte {value.byte} of the value is not UTF-8"
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = "" if isinstance(value, str) else " of its JSON"
+        return "invalid_unicode", f"lone surrogate {text[e.start]!r} at character {e.start}{where} (not valid Unicode)"
+    return None
+
+
+def _printable(name: str) -> str:
+    """``name`` with what UTF-8 cannot encode escaped (a file name that is not UTF-8 reaches Python as surrogates)."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(slots=True)
@@ -154,8 +195,8 @@ def _ids_of_file(path: Path, fmt: str, cfg: InputConfig) -> Iterator[tuple[int, 
             return
         row = 0
         for batch in pf.iter_batches(columns=[cfg.id_field], batch_size=65_536):
-            for value in batch.column(0).to_pylist():
-                if value is not None:
+            for value in _column_values(batch.column(0)):
+                if value is not None and not isinstance(value, _NotUtf8):  # _NotUtf8: the row is rejected
                     yield row, str(value)
                 row += 1
         return
@@ -227,7 +268,8 @@ def _records_parquet(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, d
                 table = pf.read_row_group(rg, columns=columns).slice(lo - row0, hi - lo)
             except (pa.ArrowInvalid, OSError) as e:
                 raise InputError(f"{path}: row group {rg} is unreadable ({e}); is the file corrupt?") from e
-            for i, record in enumerate(table.to_pylist()):
+            values = {name: _column_values(table.column(name)) for name in table.column_names}
+            for i, record in enumerate(dict(zip(values, row)) for row in zip(*values.values())):
                 yield lo + i, record, None
         row0 += n
         if row0 >= spec.stop:
@@ -285,12 +327,12 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | 
         records = _records_jsonl(spec, cfg)
     else:
         records = _records_text(spec, plan["files"], cfg)
-    file_name = Path(spec.file).name
+    file, file_name = _printable(spec.file), Path(spec.file).name
     for row, record, problem in records:
         where = f"{file_name}:{row}"
         if problem is not None:
             reason, _, detail = problem.partition(": ")
-            yield Reject(spec.file, row, None, "(record)", reason, detail)
+            yield Reject(file, row, None, "(record)", reason, _printable(detail))
             continue
         raw_id = record.get(cfg.id_field) if cfg.id_field else None
         source_id = (str(raw_id) if raw_id is not None
@@ -298,27 +340,37 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | 
         doc_id = source_id
         if source_id in duplicates and duplicates[source_id] != where:
             doc_id = f"{source_id}@{where}"
+        shown_id = _printable(doc_id)  # only an id made from a file name can change: record values are checked below
         if cfg.text_field not in record:
-            yield Reject(spec.file, row, doc_id, cfg.text_field, "missing_field", f"no '{cfg.text_field}' field")
+            yield Reject(file, row, shown_id, cfg.text_field, "missing_field", f"no '{cfg.text_field}' field")
             continue
         text = record[cfg.text_field]
-        if text is None:
-            yield Reject(spec.file, row, doc_id, cfg.text_field, "null_text", "text is null")
-            continue
-        if not isinstance(text, str):
-            yield Reject(spec.file, row, doc_id, cfg.text_field, "non_string_text", f"text is {type(text).__name__}")
-            continue
         domain = record.get(cfg.domain_field) if cfg.domain_field else None
         data_src = record.get(cfg.data_src_field) if cfg.data_src_field else None
         metadata = {k: record.get(k) for k in cfg.metadata_fields if k in record}
+        # Text that Python holds but UTF-8 cannot write would fail the whole shard at its write, on every rerun.
+        fields = {cfg.text_field: text, cfg.id_field: raw_id, cfg.domain_field: domain, cfg.data_src_field: data_src,
+                  **metadata}
+        bad = next(((field, why) for field, value in fields.items()
+                    if field and value is not None and (why := _unwritable(value))), None)
+        if bad:
+            field, (reason, detail) = bad
+            yield Reject(file, row, None if field == cfg.id_field else shown_id, field, reason, detail)
+            continue
+        if text is None:
+            yield Reject(file, row, shown_id, cfg.text_field, "null_text", "text is null")
+            continue
+        if not isinstance(text, str):
+            yield Reject(file, row, shown_id, cfg.text_field, "non_string_text", f"text is {type(text).__name__}")
+            continue
         yield Document(
-            doc_id=doc_id,
-            source_doc_id=source_id,
-            data_src=str(data_src) if data_src is not None else Path(file_name).stem.split(".")[0],
+            doc_id=shown_id,
+            source_doc_id=_printable(source_id),
+            data_src=str(data_src) if data_src is not None else _printable(Path(file_name).stem.split(".")[0]),
             domain=str(domain) if domain else cfg.default_domain,
             text=text,
             metadata=json.dumps(metadata, sort_keys=True, default=str, ensure_ascii=False),
-            file=spec.file,
+            file=file,
             row=row,
             id_missing=bool(cfg.id_field) and raw_id is None,
         )

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 from atlas.core.files import ArtifactError, read_json, read_parquet
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.tags import read_tags
 
 CONCEPT_SCHEMA = pa.schema(
     [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
@@ -65,7 +66,7 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
     mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
     concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
     votes: dict[str, Counter] = defaultdict(Counter)
-    for row in pq.read_table(run.output_dir(layout.TAGS), columns=["chunk_id", "tag_norm"]).to_pylist():
+    for row in read_tags(run, ["chunk_id", "tag_norm"]).to_pylist():
         concept = concept_of_tag.get(row["tag_norm"])
         if concept is not None:
             votes[row["chunk_id"]][concept] += 1

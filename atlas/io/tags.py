@@ -23,7 +23,7 @@ VOCAB_SCHEMA = pa.schema(
 
 def read_tags(run: RunDir, columns: list[str]) -> pa.Table:
     """The given columns of every tag part, checked against the tag schema."""
-    return read_parts(run.output_dir(layout.TAGS), columns, required=TAG_SCHEMA)
+    return read_parts(run.parts(layout.TAGS), columns, required=TAG_SCHEMA)
 
 
 def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:

@@ -47,16 +47,7 @@ class TokenShards:
 
     def __init__(self, run_dir: str | Path, n_concepts: int | None = None):
         self.run = RunDir(run_dir)
-        folder = self.run.output_dir(layout.TOKENS)
-        self.parts = sorted(folder.glob("part-*.parquet"))
-        if not self.parts:
-            raise FileNotFoundError(f"{folder}: no token shards; run the tokenize stage")
-        n_shards = max(len(self.parts), len(list((folder / STREAM).glob("part-*.u32"))))
-        expected = [self.run.part_path(layout.TOKENS, i) for i in range(n_shards)]
-        if self.parts != expected:  # shard i is parts[i]: a gap would pair a stream with another shard's index
-            missing = sorted(set(expected) - set(self.parts))
-            raise ArtifactError(f"{missing[0]}: missing (found {len(self.parts)} token shards, numbered "
-                                f"{', '.join(p.stem.removeprefix('part-') for p in self.parts)}); {RETOKENIZE}")
+        self.parts = self.run.parts(layout.TOKENS)  # shard i is parts[i]; each one's stream is checked in stream()
         if n_concepts is None:
             n_concepts = read_json(self.run.output_dir(layout.LIBRARY) / "config.json")["n_concepts"]
         self.n_concepts = n_concepts

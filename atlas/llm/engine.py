@@ -7,6 +7,11 @@ the engine could not get an answer at all (after its own transport retries). Eng
 for one bad request; parsing, validating, repairing and quarantining answers is the step's job,
 so every engine's output goes through the same checks.
 
+A step with many requests opens ``engine.stream()`` instead: it submits requests one by one and
+takes results as they finish, so a retry can be submitted while other requests are still being
+answered (``atlas.llm.ask`` runs that loop). The default stream hands what was submitted to
+``generate`` a batch at a time; the ``openai`` engine keeps ``llm.max_concurrency`` requests in flight.
+
 Engines:
 
 - ``offline`` (``atlas.llm.offline``): no LLM. Real algorithms on a small embedding model
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -65,8 +71,58 @@ class LLMEngine(ABC):
     def generate(self, requests: list[LLMRequest]) -> list[LLMResult]:
         """One result per request, in the same order."""
 
+    def stream(self, batch_size: int = 256) -> RequestStream:
+        """Submit requests one by one, take results as they finish (used as a context manager)."""
+        return BatchStream(self, batch_size)
+
     def close(self) -> None:
         """Release the model, client or event loop."""
+
+
+class RequestStream:
+    """Requests go in one at a time; ``next_result`` gives back the result of one of them as soon as one is finished,
+    in any order. A caller keeps about ``window`` requests submitted and not yet taken back, so that the engine
+    always has work. ``counters`` holds what the transport went through (retries, waits a server asked for)."""
+
+    window: int
+    counters: Counter
+
+    def submit(self, request: LLMRequest) -> None:
+        raise NotImplementedError
+
+    def next_result(self) -> LLMResult:
+        """The result of a submitted request; blocks until one is finished."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BatchStream(RequestStream):
+    """The stream of an engine that works in batches (offline, vLLM): when a result is wanted and none is ready, the
+    requests submitted so far go to ``generate`` together, ``batch_size`` at most."""
+
+    def __init__(self, engine: LLMEngine, batch_size: int):
+        self.engine, self.window, self.counters = engine, batch_size, Counter()
+        self._submitted: deque[LLMRequest] = deque()
+        self._ready: deque[LLMResult] = deque()
+
+    def submit(self, request: LLMRequest) -> None:
+        self._submitted.append(request)
+
+    def next_result(self) -> LLMResult:
+        if not self._ready:
+            if not self._submitted:
+                raise RuntimeError("next_result() with no request submitted")
+            batch = [self._submitted.popleft() for _ in range(min(self.window, len(self._submitted)))]
+            self._ready.extend(self.engine.generate(batch))
+        return self._ready.popleft()
 
 
 # JSON Schema keywords whose keys are names chosen by the schema's author, not keywords.
@@ -105,3 +161,13 @@ def make_tag_engine(config: AtlasConfig) -> LLMEngine:
     if config.llm.engine == "offline":
         return make_engine(config.llm, embedding_model=config.tag.embedding_model)
     return make_engine(config.llm)
+
+
+def setup_engine(config: LLMConfig) -> LLMEngine | None:
+    """The configured engine, set up (loaded, connected), for a stage's ``setup``; None for the offline engine,
+    whose stages compute their offline answer themselves (cohesion, medoid labels)."""
+    if config.engine == "offline":
+        return None
+    engine = make_engine(config)
+    engine.setup()
+    return engine

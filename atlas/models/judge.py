@@ -22,6 +22,8 @@ from atlas.llm.engine import LLMRequest
 from atlas.llm.prompts import load_prompt
 
 MAX_CONCEPTS_PER_REQUEST = 26  # letters A-Z
+SUCCESS_RATE_IS = ("share of the judged ({what}, chunk) pairs scored >= 2 on the 1-5 scale (1 absent, 2 weakly "
+                   "present, 3 moderately, 4 strongly, 5 central)")
 
 
 def judge_schema(n: int) -> dict:
@@ -88,7 +90,9 @@ def judge_pairs(config: AtlasConfig, samples: list[tuple[str, str, list[str]]], 
         "chunks_judged": len(per_chunk), "chunks_failed": failed, "pairs": int(scores.size),
         "mean_score": float(scores.mean()) if scores.size else None,
         "success_rate": float((scores >= 2).mean()) if scores.size else None,  # paper: a score >= 2 is success
+        "success_rate_is": SUCCESS_RATE_IS.format(what=what),
         "per_chunk_mean_success_rate": float(np.mean([m >= 2 for m in per_chunk.values()])) if per_chunk else None,
+        "per_chunk_mean_success_rate_is": f"share of the judged chunks whose mean score over their {what}s is >= 2",
         "score_counts": {str(s): int((scores == s).sum()) for s in range(1, 6)},
         "unique_items": len(per_item),
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from atlas.io import layout
 from atlas.io.chunks import CHUNK_SCHEMA
 from atlas.io.inputs import Document, Reject, list_input_files, plan_shards, read_shard
 
-CHUNKER_VERSION = 1  # bump when the algorithm changes, so finished runs are recomputed
+CHUNKER_VERSION = 2  # bump when the algorithm changes, so finished runs are recomputed
 
 REJECT_SCHEMA = pa.schema(
     [
@@ -84,8 +85,23 @@ class _BlingFire:
         return starts[:count].astype(np.int64), ends[:count].astype(np.int64) + 1  # end: exclusive
 
 
+# Both splitters see every line terminator str.splitlines knows as b"\n", at the same byte offsets: \r, \v, \f and
+# \x1c-\x1e become b"\n"; the multi-byte ones keep their length, padded before the b"\n" (\r\n -> b" \n", U+0085 ->
+# b" \n", U+2028 and U+2029 -> b"  \n") so that the next line still starts on a character. A line's span may then end
+# inside the terminator's character, which is whitespace and trimmed from the chunk.
+_ONE_BYTE_BREAKS = bytes.maketrans(b"\r\v\f\x1c\x1d\x1e", b"\n" * 6)
+_MULTI_BYTE_BREAKS = ((b"\r\n", b" \n"), ("\x85".encode(), b" \n"), ("\u2028".encode(), b"  \n"),
+                      ("\u2029".encode(), b"  \n"))
+
+
+def _unify_line_breaks(data: bytes) -> bytes:
+    for old, new in _MULTI_BYTE_BREAKS:
+        data = data.replace(old, new)
+    return data.translate(_ONE_BYTE_BREAKS)
+
+
 def _line_spans(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte spans of every line (newline excluded) and whether each line is blank."""
+    """Byte spans of every line (newline excluded) and whether each line is blank (``data``: unified line breaks)."""
     arr = np.frombuffer(data, dtype=np.uint8)
     newlines = np.flatnonzero(arr == 10)
     starts = np.concatenate([[0], newlines + 1])
@@ -142,13 +158,13 @@ class Chunker:
         token of one whole-document encoding is given to the unit it ends in.
         """
         if domain.splitter == "sentences":
-            spans = self.blingfire.spans(data)
+            spans = self.blingfire.spans(_unify_line_breaks(data))
             if spans is None:  # the splitter refused the text: fall back to lines
                 return self._units(data, ChunkDomain(max_tokens=domain.max_tokens, splitter="lines"))
             starts, ends = spans
             line_numbers = None
         else:
-            starts, ends, blank = _line_spans(data)
+            starts, ends, blank = _line_spans(_unify_line_breaks(data))
             line_numbers = np.flatnonzero(~blank)  # blank lines are not units; their tokens go to the line before
             starts, ends = starts[line_numbers], ends[line_numbers]
         ids = np.asarray(self.enc.encode_ordinary(data.decode("utf-8")), dtype=np.int64)
@@ -245,22 +261,45 @@ class Chunker:
 class ChunkStage(Stage):
     name = "chunk"
     output = layout.CHUNKS
+    _identity: dict | None = None  # once per command: the runner asks twice, and hashing a large input takes seconds
+    _new_cache: dict | None = None  # input hashes that RUN/_cache/fingerprints.json lacks, written by plan()
 
     def identity(self) -> dict:
-        _, files = list_input_files(self.config.input)
-        fingerprints = [{k: v for k, v in file_fingerprint(p).items() if k != "path"} | {"name": p.name}
-                        for p in files]
-        return {
-            "version": CHUNKER_VERSION,
-            "chunk": self.config.chunk.model_dump(),
-            "input": self.config.input.model_dump(exclude={"path"}),
-            "files": fingerprints,
-        }
+        if self._identity is None:
+            _, files = list_input_files(self.config.input)
+            self._identity = {
+                "version": CHUNKER_VERSION,
+                "chunk": self.config.chunk.model_dump(),
+                "input": self.config.input.model_dump(exclude={"path"}),
+                "files": self._fingerprints(files),
+            }
+        return self._identity
+
+    def _fingerprints(self, files: list[Path]) -> dict:
+        """Size and sha256 of every input file by its name within the input (not its absolute path: a moved input is
+        the same input), so that a conflict names the file that changed. The hashes are cached in the run directory
+        (see ``file_fingerprint``); new ones are written by ``plan``, as a run that is refused writes nothing."""
+        try:
+            known = read_json(self._cache_path()) if self._cache_path().is_file() else {}
+        except InputError:  # a damaged cache (read_json names it) only costs a re-hash
+            known = {}
+        cache = dict(known)
+        base = Path(os.path.commonpath(files)) if len(files) > 1 else files[0].parent
+        fingerprints = {p.relative_to(base).as_posix(): file_fingerprint(p, cache) for p in files}
+        listed = {str(p.resolve()) for p in files}
+        cache = {key: entry for key, entry in cache.items() if key in listed}  # files gone from the input leave it
+        self._new_cache = cache if cache != known else None
+        return fingerprints
+
+    def _cache_path(self) -> Path:
+        return RunDir(self.config.run_dir).root / layout.CACHE / "fingerprints.json"
 
     def _plan_path(self, run: RunDir) -> Path:
         return run.output_dir(self.output) / "_plan.json"
 
     def plan(self, run: RunDir, stage_hash: str) -> int:
+        if self._new_cache is not None:
+            atomic_write_json(self._cache_path(), self._new_cache)
         path = self._plan_path(run)
         if path.exists() and read_json(path).get("stage_hash") == stage_hash:
             return len(read_json(path)["shards"])
@@ -293,7 +332,11 @@ class ChunkStage(Stage):
             if item.id_missing:  # counted, so that an input.id_field that matches nothing shows in the stats
                 stats.inc("ids_missing")
             spans = self.chunker.split(item.text, self.config.chunk.for_domain(item.domain), stats)
-            if not spans:  # every sentence was dropped as too long
+            if not spans:  # every sentence (or line) was dropped as too long
+                limit = self.config.chunk.max_sentence_tokens
+                rejects.append(Reject(item.file, item.row, item.doc_id, self.config.input.text_field, "no_chunks_left",
+                                      f"every sentence or line is over chunk.max_sentence_tokens ({limit} tokens) "
+                                      "and was dropped"))
                 stats.drop("no_chunks_left")
                 continue
             self._add_rows(rows, item, spans)

@@ -27,7 +27,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.tags import load_vocab
-from atlas.llm.engine import LLMRequest, make_engine
+from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
 
 COHERENCE_VERSION = 1
@@ -58,6 +58,10 @@ def strata(members: np.ndarray, similarity: np.ndarray, size: int, rng: np.rando
     return {"core": order[:size], "random": np.sort(rng.choice(order, size, replace=False)), "edge": order[-size:]}
 
 
+def coherence_prompt():
+    return load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml", {"system": set(), "user": {"tags"}})
+
+
 class CoherenceStage(Stage):
     name = "coherence"
     output = layout.COHERENCE
@@ -73,16 +77,12 @@ class CoherenceStage(Stage):
                     "thresholds": [c.core_min, c.random_min, c.edge_min]}
         if self.config.llm.engine == "offline":
             return identity | {"offline_cohesion_bounds": [COHESION_LOW, COHESION_HIGH]}
-        prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml", {"system": set(), "user": {"tags"}})
-        return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": prompt.sha256}
+        engine = make_engine(self.config.llm).identity()
+        return identity | {"engine": engine, "prompt_sha256": coherence_prompt().sha256}
 
     def setup(self) -> None:
-        self.engine = None  # offline: embedding cohesion, no engine
-        if self.config.llm.engine != "offline":
-            self.prompt = load_prompt(PROJECT_ROOT / "prompts" / "judge_coherence.yaml",
-                                      {"system": set(), "user": {"tags"}})
-            self.engine = make_engine(self.config.llm)
-            self.engine.setup()
+        self.prompt = coherence_prompt()
+        self.engine = setup_engine(self.config.llm)  # None offline: embedding cohesion
 
     def teardown(self) -> None:
         if self.engine is not None:

@@ -21,7 +21,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.tags import load_vocab
-from atlas.llm.engine import make_engine
+from atlas.llm.engine import make_engine, setup_engine
 from atlas.models.labeler import label_prompt, llm_labels, make_unique, offline_label
 
 LABEL_VERSION = 1
@@ -48,10 +48,7 @@ class LabelStage(Stage):
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
 
     def setup(self) -> None:
-        self.engine = None  # offline: the labels come from the evidence tags
-        if self.config.llm.engine != "offline":
-            self.engine = make_engine(self.config.llm)
-            self.engine.setup()
+        self.engine = setup_engine(self.config.llm)  # None offline: the labels come from the evidence tags
 
     def teardown(self) -> None:
         if self.engine is not None:

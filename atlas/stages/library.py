@@ -37,7 +37,7 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
-from atlas.llm.engine import make_engine
+from atlas.llm.engine import make_engine, setup_engine
 from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
@@ -95,10 +95,7 @@ class LibraryStage(Stage):
 
     def setup(self) -> None:
         self.embedder = Embedder(self.config.vocab.embedding_model)
-        self.engine = None  # offline: a merged concept keeps its most used member's label
-        if self.config.llm.engine != "offline":
-            self.engine = make_engine(self.config.llm)
-            self.engine.setup()
+        self.engine = setup_engine(self.config.llm)  # None offline: merged concepts keep their largest member's label
 
     def teardown(self) -> None:
         if self.engine is not None:
@@ -156,7 +153,7 @@ class LibraryStage(Stage):
             "k": sweep["chosen_k"], "library": self.config.library.model_dump(),
             "embedding_model": self.config.vocab.embedding_model, "llm_engine": self.config.llm.engine,
             "dedup_passes": passes,
-            "stage_hashes": {name: info["hash"] for name, info in manifest.get("stages", {}).items()},
+            "stage_hashes": {name: info.get("hash") for name, info in manifest.get("stages", {}).items()},
         })
         stats.inc("concepts_out", n_content)
         stats.inc("aux_labels", len(rows) - n_content)
@@ -222,14 +219,14 @@ class LibraryStage(Stage):
             return
         sizes = np.array([r["chunk_count"] for r in rows])
         histogram(sizes, run.root / layout.REPORT / "concept_sizes.png", f"{len(rows)} concepts: chunks per concept",
-                  "chunks (log scale bins)", bins=np.unique(np.geomspace(1, max(sizes.max(), 2), 25).round()),
-                  log_y=True)
+                  "chunks per concept (log scale)", bins=np.unique(np.geomspace(1, max(sizes.max(), 2), 25).round()),
+                  log_y=True, log_x=True)
         if len(rows) >= 3:
             vectors = self._embed([f"{r['name']}: {r['description']}" for r in rows], run)
             centered = vectors - vectors.mean(axis=0)
             points = centered @ np.linalg.svd(centered, full_matrices=False)[2][:2].T  # PCA to 2-D
             named = {i: rows[i]["name"] for i in range(min(25, len(rows)))}
             scatter(points, 4 + 60 * sizes / sizes.max(), named, run.root / layout.REPORT / "concept_map.png",
-                    "concept map (PCA of name + description embeddings; 25 largest named)")
+                    "concept map (PCA of name + description embeddings;\nthe 25 largest named where a label fits)")
 
 

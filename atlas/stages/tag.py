@@ -9,8 +9,10 @@ on what was wrong) up to ``tag.max_attempts`` times, then the chunk is quarantin
 
 Invariant, checked for every shard: chunks tagged + chunks quarantined = chunks in.
 
-Answers are cached per shard in ``RUN/_cache/tag/`` keyed by chunk, attempt, everything the engine
-sees and the engine's identity, so a killed shard resumes without asking the engine again.
+The whole shard is asked through one window (``atlas.llm.ask``): a retry is submitted as soon as its
+answer fails, while other chunks are still being answered. Answers are cached per shard in
+``RUN/_cache/tag/NNNNN.jsonl`` as they arrive, keyed by chunk, attempt, everything the engine sees and
+the engine's identity, so a killed shard resumes without asking the engine again.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.tags import TAG_SCHEMA
 from atlas.llm.answers import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
-from atlas.llm.cache import RequestCache, ask_cached
+from atlas.llm.ask import ask_until_done
+from atlas.llm.cache import RequestCache
 from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
 
@@ -101,22 +104,23 @@ class TagStage(Stage):
                      "candidates": {name: self.candidates[name] for name in lists}},
         )
 
-    def _ask(self, requests: list[LLMRequest], cache: RequestCache, stats: Stats) -> list[LLMResult]:
-        """Answers from the cache where present, from the engine otherwise (and then cached)."""
-        results, hits = ask_cached(self.engine, cache, requests)
-        stats.inc("cache_hits", hits)
-        return results
-
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         chunks = read_parquet(run.part_path(layout.CHUNKS, shard), ["chunk_id", "domain", "chunk_text"]).to_pylist()
         stats = Stats({"chunks_in": len(chunks)})
-        cache = RequestCache(run.root / layout.CACHE / "tag" / f"{shard:05d}.sqlite", self.engine.identity())
         tagged: dict[str, dict] = {}
         quarantined: dict[str, dict] = {}
-        batch_size = self.config.tag.batch_size
+
+        def request(i: int, attempt: int, problem: str | None) -> LLMRequest:
+            if attempt > 1:
+                stats.inc("requests_retried")
+            return self._request(chunks[i], attempt, problem)
+
+        def check(i: int, attempt: int, result: LLMResult) -> str | None:
+            return self._check(chunks[i], attempt, result, stats, tagged, quarantined)
+
+        cache = RequestCache(run.root / layout.CACHE / "tag" / f"{shard:05d}.jsonl", self.engine.identity())
         try:
-            for start in range(0, len(chunks), batch_size):
-                self._tag_batch(chunks[start : start + batch_size], cache, stats, tagged, quarantined)
+            stats.merge(ask_until_done(self.engine, cache, len(chunks), request, check, self.config.tag.batch_size))
         finally:
             cache.close()
 
@@ -137,49 +141,40 @@ class TagStage(Stage):
         run.write_rejects(self.output, shard, ordered, QUARANTINE_SCHEMA)
         return stats
 
-    def _tag_batch(self, chunks: list[dict], cache: RequestCache, stats: Stats, tagged: dict,
-                   quarantined: dict) -> None:
-        pending = {c["chunk_id"]: (c, None) for c in chunks}  # chunk id -> (chunk, problem of the last answer)
-        for attempt in range(1, self.config.tag.max_attempts + 1):
-            if not pending:
-                break
-            if attempt > 1:
-                stats.inc("requests_retried", len(pending))
-            requests = [self._request(chunk, attempt, problem) for chunk, problem in pending.values()]
-            results = self._ask(requests, cache, stats)
-            still_pending = {}
-            for (chunk_id, (chunk, _)), result in zip(list(pending.items()), results):
-                stats.inc("requests")
-                stats.inc("tokens_in", result.tokens_in)
-                stats.inc("tokens_out", result.tokens_out)
-                if result.finish_reason:
-                    stats.inc(f"finish_reason.{result.finish_reason}")
-                if result.error:
-                    stats.inc(f"engine_errors.{result.error}")
-                    parsed = Parsed(None, "engine_error", result.error)
-                else:
-                    parsed = parse_answer(result.text, result.finish_reason, self.schema_for(chunk["domain"]))
-                    for repair in parsed.repairs:
-                        stats.inc(f"repaired.{repair}")
-                if parsed.answer is not None:
-                    tags = {field: self._normalized(values) for field, values in parsed.answer.items()}
-                    if any(tags.values()):
-                        tagged[chunk_id] = tags
-                        if attempt > 1:
-                            stats.inc("chunks_tagged_after_retry")
-                        continue
-                    parsed = Parsed(None, "no_tags", "every tag was empty after normalization")
-                stats.inc(f"answer_problems.{parsed.problem}")
-                if attempt == self.config.tag.max_attempts:
-                    stats.drop(parsed.problem)
-                    quarantined[chunk_id] = {
-                        "chunk_id": chunk_id, "domain": chunk["domain"], "reason": parsed.problem,
-                        "detail": parsed.detail, "attempts": attempt, "finish_reason": result.finish_reason,
-                        "raw": (result.text or "")[:RAW_KEPT],
-                    }
-                else:
-                    still_pending[chunk_id] = (chunk, f"{parsed.problem}: {parsed.detail}")
-            pending = still_pending
+    def _check(self, chunk: dict, attempt: int, result: LLMResult, stats: Stats, tagged: dict,
+               quarantined: dict) -> str | None:
+        """Count and judge one answer: the chunk is tagged, or quarantined after its last attempt (None for both),
+        or asked again with the returned note on what was wrong."""
+        chunk_id = chunk["chunk_id"]
+        stats.inc("requests")
+        stats.inc("tokens_in", result.tokens_in)
+        stats.inc("tokens_out", result.tokens_out)
+        if result.finish_reason:
+            stats.inc(f"finish_reason.{result.finish_reason}")
+        if result.error:
+            stats.inc(f"engine_errors.{result.error}")
+            parsed = Parsed(None, "engine_error", result.error)
+        else:
+            parsed = parse_answer(result.text, result.finish_reason, self.schema_for(chunk["domain"]))
+            for repair in parsed.repairs:
+                stats.inc(f"repaired.{repair}")
+        if parsed.answer is not None:
+            tags = {field: self._normalized(values) for field, values in parsed.answer.items()}
+            if any(tags.values()):
+                tagged[chunk_id] = tags
+                if attempt > 1:
+                    stats.inc("chunks_tagged_after_retry")
+                return None
+            parsed = Parsed(None, "no_tags", "every tag was empty after normalization")
+        stats.inc(f"answer_problems.{parsed.problem}")
+        if attempt < self.config.tag.max_attempts:
+            return f"{parsed.problem}: {parsed.detail}"
+        stats.drop(parsed.problem)
+        quarantined[chunk_id] = {
+            "chunk_id": chunk_id, "domain": chunk["domain"], "reason": parsed.problem, "detail": parsed.detail,
+            "attempts": attempt, "finish_reason": result.finish_reason, "raw": (result.text or "")[:RAW_KEPT],
+        }
+        return None
 
     @staticmethod
     def _normalized(values: list[str]) -> list[tuple[str, str]]:

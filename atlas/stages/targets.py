@@ -37,8 +37,9 @@ from atlas.io.chunks import read_chunks
 from atlas.io.library import check_tag_to_concept, chunk_concepts, load_library
 from atlas.io.tags import read_tags
 from atlas.llm.answers import parse_answer
-from atlas.llm.cache import RequestCache, ask_cached
-from atlas.llm.engine import LLMRequest, make_tag_engine
+from atlas.llm.ask import ask_until_done
+from atlas.llm.cache import RequestCache
+from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
 from atlas.models.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
@@ -167,12 +168,19 @@ class TargetsStage(Stage):
         stats.inc("concepts_below_min_per_concept", sum(1 for n in counts.values() if n < a.min_per_concept))
         return stats
 
+    def _bar(self, total: int, desc: str, unit: str):
+        """A progress bar inside the stage's one shard (the runner's bar shows shards: 0/1 until the end)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, disable=not self.config.execution.progress)
+
     def _aux_offline(self, run: RunDir, domains, texts: list[str], stats: Stats):
         """Calibrated embedding similarity between each chunk and each label's "name: description"."""
         a = self.config.annotator
         embedder = self.embedder
-        chunk_vectors, computed = encode_cached(embedder, texts, run.root / layout.CACHE / "embeddings",
-                                                a.embed_batch_size)
+        with self._bar(len(texts), "targets: embed reservoir", "chunk") as bar:
+            chunk_vectors, computed = encode_cached(embedder, texts, run.root / layout.CACHE / "embeddings",
+                                                    a.embed_batch_size, progress=bar.update)
         stats.inc("chunks_embedded", computed)
         aux = {}
         for d in domains:
@@ -186,8 +194,6 @@ class TargetsStage(Stage):
         """An LLM picks labels from the lists; validated, retried up to tag.max_attempts, cached."""
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "aux.yaml", AUX_PROMPT)
         schema, lists, engine = answer_schema(domains), describe_lists(domains), self.engine
-        cache = RequestCache(run.root / layout.CACHE / "aux" / f"{sha256_bytes(lists.encode())[:12]}.sqlite",
-                             engine.identity())
         answers: dict[int, dict] = {}
         status = ["failed"] * len(texts)
 
@@ -198,24 +204,23 @@ class TargetsStage(Stage):
             return LLMRequest(f"{chunk_ids[i]}#{attempt}", prompt.templates["system"], user, schema.schema,
                               "aux_labels", {"task": "aux"})
 
+        def check(i: int, attempt: int, result: LLMResult) -> str | None:
+            parsed = parse_answer(result.text, result.finish_reason, schema) if not result.error else None
+            if parsed is not None and parsed.answer is not None:
+                answers[i], status[i] = parsed.answer, "ok"
+                return None
+            status[i] = f"failed:{result.error or parsed.problem}"
+            if attempt == self.config.tag.max_attempts:
+                return None
+            return result.error or f"{parsed.problem}: {parsed.detail}"
+
+        cache = RequestCache(run.root / layout.CACHE / "aux" / f"{sha256_bytes(lists.encode())[:12]}.jsonl",
+                             engine.identity())
         try:
-            for start in range(0, len(texts), self.config.tag.batch_size):
-                pending = {i: None for i in range(start, min(start + self.config.tag.batch_size, len(texts)))}
-                for attempt in range(1, self.config.tag.max_attempts + 1):
-                    results, _ = ask_cached(engine, cache, [request(i, attempt, p) for i, p in pending.items()])
-                    still = {}
-                    for i, result in zip(list(pending), results):
-                        parsed = parse_answer(result.text, result.finish_reason, schema) if not result.error else None
-                        if parsed is not None and parsed.answer is not None:
-                            answers[i], status[i] = parsed.answer, "ok"
-                        else:
-                            problem = result.error or f"{parsed.problem}: {parsed.detail}"
-                            status[i], still[i] = f"failed:{result.error or parsed.problem}", problem
-                    pending = still
-                    if not pending:
-                        break
+            counters = ask_until_done(engine, cache, len(texts), request, check, self.config.tag.batch_size)
         finally:
             cache.close()
+        stats.merge({f"aux_{name}": n for name, n in counters.items() if n})
         stats.inc("aux_failed", sum(s != "ok" for s in status))
         position = {d.name: {name: j for j, name in enumerate(d.names)} for d in domains}
         aux = {d.name: [[position[d.name][n] for n in answers.get(i, {}).get(d.name, [])] for i in range(len(texts))]

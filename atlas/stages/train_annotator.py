@@ -353,7 +353,9 @@ class TrainAnnotatorStage(Stage):
         report = run.root / layout.REPORT
         epochs = [h["epoch"] for h in history]
         lines(epochs, {"train objective": [h["train_objective"] for h in history],
-                       "held-out loss": [h["heldout_loss"] for h in history],
+                       "held-out loss\n(all domains)": [h["heldout_loss"] for h in history],
+                       "held-out content\nloss (BCE + nnPU)": [h["heldout_content_bce"] + h["heldout_content_pu"]
+                                                               for h in history],
                        "held-out recall@10": [h["heldout_content_recall_at_10"] for h in history]},
               report / "annotator_training.png", "annotator training (BCE on positives + nnPU)", "epoch", log_x=False)
         reliability = metrics["domains"]["content"].get("reliability")

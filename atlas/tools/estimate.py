@@ -42,14 +42,29 @@ def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[D
     return total, docs[:sample_docs]
 
 
-def estimate(config: AtlasConfig, sample_docs: int = 200, log=print) -> list[dict]:
+def _say(message: str) -> None:
+    print(message, flush=True)  # flushed: `atlas estimate | tee` shows each measurement as it ends
+
+
+def _measured(row: dict, seconds: float) -> str:
+    return f"  {row['stage']}: {row['sample']:,} {row['unit']} in {seconds:,.1f} s = {row['per_second']:,.1f}/s"
+
+
+def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict]:
+    """Time each map stage on the sample, saying what it measures as it goes; one row per stage."""
     from atlas.runner import run_stages
 
+    log(f"sampling up to {sample_docs} documents from {config.input.path} ...")
     total_docs, docs = sample_documents(config, sample_docs)
     if not docs:
         raise ValueError(f"{config.input.path}: no documents with text to sample")
     log(f"corpus: {total_docs:,} documents; sample: {len(docs)} documents")
     rows = []
+
+    def measured(stage: str, n: int, seconds: float, unit: str, total: float) -> None:
+        rows.append(_row(stage, n, seconds, unit, total, config))
+        log(_measured(rows[-1], seconds))
+
     with tempfile.TemporaryDirectory(prefix="atlas-estimate-") as tmp:
         sample = Path(tmp) / "sample.jsonl"
         sample.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text, "domain": d.domain,
@@ -61,20 +76,26 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=print) -> list[dic
             "path": str(sample), "format": "jsonl", "text_field": "text", "id_field": "id", "domain_field": "domain",
             "data_src_field": "data_src", "metadata_fields": [], "docs_per_shard": len(docs)})
         trial.execution = trial.execution.model_copy(update={"orchestrator": "inline", "progress": False})
-        run_stages(trial, ["chunk", "tag"], log=lambda m: None)
         run = RunDir(trial.run_dir)
-        chunk_seconds = run.shard_marker(layout.CHUNKS, 0)["seconds"]
-        tag_marker = run.shard_marker(layout.TAGS, 0)
         import pyarrow.parquet as pq
 
+        log(f"measuring chunk on {len(docs)} documents ...")
+        run_stages(trial, ["chunk"], log=lambda m: None)
         texts = pq.read_table(run.part_path(layout.CHUNKS, 0), columns=["chunk_text"]).column(0).to_pylist()
-        chunks_per_doc = len(texts) / len(docs)
-        total_chunks = total_docs * chunks_per_doc
-        rows.append(_row("chunk", len(docs), chunk_seconds, "docs", total_docs, config))
-        rows.append(_row(f"tag ({config.llm.engine})", len(texts), tag_marker["seconds"], "chunks", total_chunks,
-                         config))
-        rows.append(_row(*_time_annotation(config, texts), "chunks", total_chunks, config))
-        rows.append(_row("tokenize", len(texts), _time_tokenization(config, texts), "chunks", total_chunks, config))
+        total_chunks = total_docs * len(texts) / len(docs)
+        measured("chunk", len(docs), run.shard_marker(layout.CHUNKS, 0)["seconds"], "docs", total_docs)
+
+        log(f"measuring tag ({config.llm.engine}) on {len(texts):,} chunks (loads the engine first; the slowest "
+            "measurement) ...")
+        run_stages(trial, ["tag"], log=lambda m: None)
+        measured(f"tag ({config.llm.engine})", len(texts), run.shard_marker(layout.TAGS, 0)["seconds"], "chunks",
+                 total_chunks)
+
+        log(f"measuring annotate on {len(texts):,} chunks ...")
+        measured(*_time_annotation(config, texts), "chunks", total_chunks)
+
+        log(f"measuring tokenize on {len(texts):,} chunks ...")
+        measured("tokenize", len(texts), _time_tokenization(config, texts), "chunks", total_chunks)
     return rows
 
 

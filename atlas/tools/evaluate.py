@@ -36,16 +36,20 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     concepts = {r["concept_id"]: r
                 for r in pq.read_table(run.output_dir(layout.LIBRARY) / "concepts.parquet").to_pylist()}
     assigned = chunk_concepts(run)
-    labels, texts = {}, {}
+    labels, texts, fields = {}, {}, Counter()
     for chunk_id, row in read_chunks(run, assigned, ("chunk_text", "metadata")).items():
         texts[chunk_id] = row["chunk_text"]
-        value = json.loads(row["metadata"] or "{}").get(label_field)
+        metadata = json.loads(row["metadata"] or "{}")
+        fields.update(metadata.keys())
+        value = metadata.get(label_field)
         if value is not None:
             labels[chunk_id] = str(value)
     labeled = sorted(c for c in assigned if c in labels)
-    summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned),
-                     "chunks_with_label": len(labeled), "label_field": label_field}
-    if labeled:
+    summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned), "label_field": label_field}
+    if not labeled:  # no purity, NMI or counts that read as results: say why there are none
+        summary["label_metrics"] = no_labels(label_field, fields)
+    else:
+        summary["chunks_with_label"] = len(labeled)
         main = [assigned[c][0] for c in labeled]
         truth = [labels[c] for c in labeled]
         by_concept: dict[int, Counter] = defaultdict(Counter)
@@ -71,6 +75,13 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     return summary
 
 
+def no_labels(label_field: str, fields: Counter) -> str:
+    """Why there are no label metrics: no chunk has the field; the metadata fields the chunks do have."""
+    found = ", ".join(f"{k!r} ({n:,} chunks)" for k, n in fields.most_common(6)) or "none"
+    return (f"not computed: no chunk has a {label_field!r} metadata field (fields found: {found}); "
+            "pass --label-field FIELD")
+
+
 def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: int = 5) -> dict:
     """Linear probes on the held-out chunks: how well a known label (e.g. the dev corpus' ``label``)
     can be read off (a) the annotator's predicted concept vectors, (b) the same vectors after the
@@ -86,10 +97,20 @@ def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: i
     run = RunDir(config.run_dir)
     predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet").to_pylist()
     rows = read_chunks(run, {p["chunk_id"] for p in predictions}, ("chunk_text", "metadata", "doc_id"))
-    kept = [p for p in predictions if json.loads(rows[p["chunk_id"]]["metadata"] or "{}").get(label_field) is not None]
-    summary: dict = {"label_field": label_field, "heldout_chunks": len(predictions), "chunks_with_label": len(kept)}
+    metadata = {p["chunk_id"]: json.loads(rows[p["chunk_id"]]["metadata"] or "{}") for p in predictions}
+    kept = [p for p in predictions if metadata[p["chunk_id"]].get(label_field) is not None]
+    summary: dict = {"label_field": label_field, "heldout_chunks": len(predictions)}
+    path = run.root / layout.REPORT / "annotator_probe.json"
+    if not kept:
+        summary["label_metrics"] = no_labels(label_field, Counter(k for m in metadata.values() for k in m))
+        atomic_write_json(path, summary)
+        return summary
+    summary["chunks_with_label"] = len(kept)
     if len(kept) < 2 * folds:
-        return summary | {"error": f"too few held-out chunks with a {label_field!r} label"}
+        summary["error"] = (f"too few held-out chunks with a {label_field!r} label ({len(kept)}; the probes need "
+                            f"{2 * folds})")
+        atomic_write_json(path, summary)
+        return summary
     labels = [str(json.loads(rows[p["chunk_id"]]["metadata"])[label_field]) for p in kept]
     groups = [rows[p["chunk_id"]]["doc_id"] for p in kept]
     annotator = Annotator(run.output_dir(layout.ANNOTATOR)).setup()
@@ -116,5 +137,5 @@ def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: i
                            ("raw_embeddings", embeddings)):
         scores = cross_val_score(probe, features, labels, groups=groups, cv=cv)
         summary[name] = {"dim": int(features.shape[1]), "accuracy": float(scores.mean()), "std": float(scores.std())}
-    atomic_write_json(run.root / layout.REPORT / "annotator_probe.json", summary)
+    atomic_write_json(path, summary)
     return summary

@@ -55,14 +55,14 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
 
     run, out = RunDir(run_dir), Path(out)
     annotate = run.read_manifest().get("stages", {}).get("annotate")
-    if not annotate or not run.is_stage_done(layout.ANNOTATED, annotate["hash"]):
+    if not annotate or not run.is_stage_done(layout.ANNOTATED, annotate.get("hash")):
         raise FileNotFoundError(f"{run.output_dir(layout.ANNOTATED)}: the annotate stage has not finished; "
                                 "run it first")
     if out.exists() and any(out.iterdir()):
         if not (out / "export.json").exists():
             raise FileExistsError(f"{out}: not empty and not an earlier export; choose another folder")
         shutil.rmtree(out)  # an earlier export: replace it whole, so no stale part survives
-    parts = [run.part_path(layout.ANNOTATED, shard) for shard in range(annotate["num_shards"])]
+    parts = run.parts(layout.ANNOTATED)
     concepts, library = load_library(run)
     n = len(concepts)
     counts = np.zeros(n, dtype=np.int64)

@@ -12,19 +12,18 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-import pyarrow.parquet as pq
-
 from atlas.config import AtlasConfig
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.chunks import read_chunks
+from atlas.io.tags import read_tags
 from atlas.models.judge import MAX_CONCEPTS_PER_REQUEST, judge_pairs
 
 
 def judge_tags(config: AtlasConfig, sample: int = 200, seed: int = 0, batch_size: int = 64) -> dict:
     """Judge the tags of ``sample`` random tagged chunks; returns (and writes) the summary."""
     run = RunDir(config.run_dir)
-    tags = pq.read_table(run.output_dir(layout.TAGS), columns=["chunk_id", "tag_norm"]).to_pylist()
+    tags = read_tags(run, ["chunk_id", "tag_norm"]).to_pylist()
     by_chunk: dict[str, list[str]] = defaultdict(list)
     for row in tags:
         if row["tag_norm"] not in by_chunk[row["chunk_id"]]:

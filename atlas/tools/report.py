@@ -227,7 +227,45 @@ def _annotator(run) -> str:
     return (f"{_kv(about)}<h3>Held-out retrieval vs baselines</h3>{retrieval}<h3>Decision rule</h3>"
             f"<p>a label is given when its calibrated probability passes the threshold, at most cap per chunk "
             f"(precision and F1 are lower bounds: unlabelled positives count as errors).</p>{rules}"
-            f"{'<h3>Relevance judge of the predictions</h3>' + judged if judged else ''}")
+            f"{'<h3>Relevance judge of the predictions</h3>' + judged if judged else ''}"
+            f"{_annotator_curves(metrics)}")
+
+
+def _annotator_curves(metrics: dict) -> str:
+    """What annotator_training.png plots, with this run's numbers: why its held-out loss can rise."""
+    history = metrics.get("history") or []
+    if len(history) < 2:
+        return ""
+    first, last = history[0], history[-1]
+    domains = sorted((k.removeprefix("heldout_").removesuffix("_bce") for k in last
+                      if k.startswith("heldout_") and k.endswith("_bce")),
+                     key=lambda d: (d != "content", d))  # the concepts first, then the auxiliary lists
+
+    def part(h: dict, d: str) -> float:
+        return h.get(f"heldout_{d}_bce", 0.0) + h.get(f"heldout_{d}_pu", 0.0)
+
+    def moves(d: str) -> str:
+        low = min(history, key=lambda h: part(h, d))
+        return f"{d} {part(first, d):.2f} → {part(low, d):.2f} (epoch {low.get('epoch')}) → {part(last, d):.2f}"
+
+    heldout = metrics.get("heldout_chunks") or 0
+    which = f"the {heldout:,} held-out chunks" if heldout <= 2048 else "the first 2,048 held-out chunks"
+    return ("<h3>Training curves (annotator_training.png)</h3>"
+            "<p><b>train objective</b>: per epoch, the mean training loss, BCE on the labelled positives + nnPU risk "
+            "(unlabelled pairs count as partly negative), summed over the domains, on rarity-weighted resampled "
+            f"training chunks. <b>held-out loss (all domains)</b>: the same loss on {html.escape(which)}, "
+            f"unweighted: {first.get('heldout_loss', float('nan')):.2f} at epoch {first.get('epoch')} → "
+            f"{last.get('heldout_loss', float('nan')):.2f} at epoch {last.get('epoch')}. Per domain (BCE + nnPU "
+            f"risk), first → lowest (epoch) → last: {html.escape('; '.join(moves(d) for d in domains))}. "
+            "<b>held-out content loss</b> is the content domain's part alone, the concepts. The other domains are "
+            f"the short auxiliary label lists ({html.escape(', '.join(d for d in domains if d != 'content'))}), "
+            "whose few positives are fitted and then overfitted: most of a rising total. A loss that rises after "
+            "its lowest point means the held-out "
+            "positives' probabilities fall as the model fits the training labels more closely, while their rank "
+            "among a chunk's concepts can still improve: <b>held-out recall@10</b>, the share of the held-out "
+            "chunks' inherited concepts found among their 10 best-scored, is the curve to watch "
+            f"({first.get('heldout_content_recall_at_10', float('nan')):.3f} → "
+            f"{last.get('heldout_content_recall_at_10', float('nan')):.3f}).</p>")
 
 
 def _evaluations(run) -> str:
@@ -248,25 +286,66 @@ def _index(run) -> str:
     return head + _kv(info)
 
 
+def _train_config(folder: Path) -> dict:
+    """The training settings saved with a model's checkpoint (atlas.cblm.checkpoint), or {}."""
+    for name in ("checkpoint", "checkpoint.old"):
+        state = _read_json(folder / name / "state.json")
+        if state:
+            return state.get("train_config", {})
+    return {}
+
+
+def _val_losses(name: str, config: dict, metrics: dict | None, entries: list[dict]) -> str:
+    """What the table's val_loss and the plot's val loss each are: one model, two evaluations on different windows."""
+    last = entries[-1] if entries else {}
+    logged, metrics = last.get("val", {}), metrics or {}
+
+    def tokens(d: dict) -> str:
+        return f", on {_fmt(d['val_tokens'])} tokens" if d.get("val_tokens") is not None else ""
+
+    table = f"{_fmt(metrics['val_loss'])}{tokens(metrics)}" if "val_loss" in metrics else "not written yet"
+    plot = (f"{_fmt(logged['val_loss'])} at step {_fmt(last.get('step'))}{tokens(logged)}" if "val_loss" in logged
+            else "none logged yet")
+    every, batches, size = (config.get(k, "?") for k in ("eval_every", "eval_batches", "batch_size"))
+    fraction = config.get("val_fraction")
+    held = f": the last {fraction:.0%} of each token shard's windows" if isinstance(fraction, float) else ""
+    same = (f" At step {_fmt(last['step'])} both score the same weights: they differ only by the windows they score."
+            if "val_loss" in metrics and "val_loss" in logged and last.get("step") == metrics.get("step") else "")
+    return (f"<p><b>{html.escape(name)}: two validation losses.</b> Both are the LM loss (next-token cross-entropy; "
+            "diffusion: on the masked positions) with teacher forcing and dropout off, on held-out windows"
+            f"{html.escape(held)}. <b>val_loss in the table</b> ({html.escape(table)}) is metrics.json: the final "
+            "evaluation at the end of training, the same as <code>atlas cblm eval</code>, on every held-out window "
+            f"(the star in the plot). <b>val loss in the plot</b> (last point {html.escape(plot)}) is log.jsonl: the "
+            f"estimate taken every {html.escape(str(every))} steps on the first {html.escape(str(batches))} batches "
+            f"of {html.escape(str(size))} held-out windows only, the same windows each time, in shard order."
+            f"{html.escape(same)} <b>train lm</b> is the LM loss of the training batch of that step, with teacher "
+            "forcing and dropout on.</p>")
+
+
 def _cblm(run) -> str:
     """The trained models side by side (final metrics, one column each), then their loss curves (log.jsonl)."""
-    models, figures = {}, []
+    models, figures, notes = {}, [], []
     for folder in sorted(p for p in (run.root / layout.CBLM).glob("*") if p.is_dir()):
         metrics, log = _read_json(folder / "metrics.json"), folder / "log.jsonl"
         if metrics is None and not log.exists():
             continue
         models[folder.name] = _flat(metrics or {"status": "no metrics.json yet (still training?)"})
         entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        notes.append(_val_losses(folder.name, _train_config(folder), metrics, entries))
         if len(entries) > 1:  # one point is no curve; the table has its numbers
-            series = {"train lm": [e.get("train", {}).get("lm") for e in entries],
-                      "val loss": [e.get("val", {}).get("val_loss") for e in entries]}
-            png = curves([e.get("step") for e in entries], series, f"{folder.name}: loss", "step")
-            figures.append(_img(png, f"{folder.name}: loss (log.jsonl)"))
+            series = {"train lm (that step's batch)": [e.get("train", {}).get("lm") for e in entries],
+                      "val loss (first held-out windows, log.jsonl)": [e.get("val", {}).get("val_loss")
+                                                                       for e in entries]}
+            marks = ({"val_loss, all held-out windows (metrics.json)": (metrics.get("step", entries[-1].get("step")),
+                                                                        metrics["val_loss"])}
+                     if metrics and "val_loss" in metrics else None)
+            png = curves([e.get("step") for e in entries], series, f"{folder.name}: loss", "step", marks)
+            figures.append(_img(png, f"{folder.name}: loss (log.jsonl); the star: metrics.json"))
     if not models:
         return '<p class="missing">No concept-bottleneck LM trained yet (`atlas cblm train RUN`).</p>'
     keys = list(dict.fromkeys(k for m in models.values() for k in m))
     table = _table(["metric", *models], [[k, *(m.get(k, "") for m in models.values())] for k in keys])
-    return f'{table}<div class="figs">{"".join(figures)}</div>'
+    return f'{table}{"".join(notes)}<div class="figs">{"".join(figures)}</div>'
 
 
 def write_html_report(run_root) -> Path:
@@ -284,7 +363,8 @@ def write_html_report(run_root) -> Path:
 
     def done(stage: str, section) -> str:
         """A section that reads a stage's outputs, or why it is not there (a stage --force is redoing, say)."""
-        status = recorded.get(stage, {}).get("status")
+        info = recorded.get(stage, {})
+        status = info.get("status") if info.get("hash") or not info else "unknown"  # a record without hash: not done
         return section(run) if status == "done" else _missing(stage, status)
 
     statuses = run_status(run, manifest)

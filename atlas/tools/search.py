@@ -25,7 +25,7 @@ def search_run(run_dir, queries: list[str], k: int = 10, nprobe: int | None = No
     embedder = Annotator(run.output_dir(layout.ANNOTATOR)).setup().embedder
     scores, rows = search(index, embedder.encode(queries), k)
     wanted = {ids["chunk_id"][r] for row in rows for r in row if r >= 0}
-    texts = dict(zip(*ds.dataset(run.output_dir(layout.ANNOTATED), format="parquet").to_table(
+    texts = dict(zip(*ds.dataset([str(p) for p in run.parts(layout.ANNOTATED)], format="parquet").to_table(
         columns=["chunk_id", "text"], filter=ds.field("chunk_id").isin(list(wanted))).to_pydict().values()))
     return [[{"rank": rank + 1, "score": float(s), "row": int(r), "chunk_id": ids["chunk_id"][r],
               "doc_id": ids["doc_id"][r], "data_src": ids["data_src"][r], "text": texts.get(ids["chunk_id"][r], "")}

@@ -7,11 +7,11 @@ Prefect flow publishes the same table as an artifact after every stage; the run 
 
 from __future__ import annotations
 
-import os
 import socket
 import textwrap
 from dataclasses import dataclass, field
 
+from atlas.core.lock import pid_alive
 from atlas.core.rundir import RunDir
 from atlas.stages import STAGES
 
@@ -19,7 +19,7 @@ from atlas.stages import STAGES
 @dataclass
 class StageStatus:
     name: str
-    state: str  # done, running, interrupted, failed, planned, not started
+    state: str  # done, running, interrupted, failed, planned, not started, unknown (a record without hash)
     shards_done: int = 0
     shards_total: int = 0
     counters: dict = field(default_factory=dict)  # summed over the finished shards
@@ -38,13 +38,7 @@ def driver_alive(driver: dict | None) -> bool | None:
         return False
     if driver.get("host") != socket.gethostname():
         return None
-    try:
-        os.kill(driver["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
+    return pid_alive(driver["pid"])
 
 
 def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
@@ -58,6 +52,9 @@ def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
         info = recorded.get(name)
         if not info:
             statuses.append(StageStatus(name, "not started"))
+            continue
+        if not info.get("hash"):  # a half record (older Atlas, two runs at once): not done, whatever it says
+            statuses.append(StageStatus(name, "unknown"))
             continue
         status = StageStatus(name, info.get("status", "planned"), shards_total=info.get("num_shards", 0),
                              wall_seconds=info.get("wall_seconds"))
@@ -101,6 +98,9 @@ def format_status(run: RunDir) -> str:
             lines.append(f"      dropped {reason}: {n:,}")
         for shard, error in sorted(s.failed.items()):
             lines.append(f"      FAILED shard {shard:05d}: {error}")
+        if s.state == "unknown":
+            lines.append(f"      its manifest record is incomplete (no hash): recompute it with "
+                         f"atlas run CONFIG --force --stages {s.name}")
     return "\n".join(lines)
 
 

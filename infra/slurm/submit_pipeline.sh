@@ -6,11 +6,17 @@
 #   infra/slurm/submit_pipeline.sh /shared/atlas/configs/corpus-v1.yaml
 #
 # It plans chunk and tag here (that fixes N, the number of shards of every map stage), then submits,
-# each job starting only when the one before it succeeded (--dependency=afterok):
+# each job starting only when the one before it succeeded:
 #
-#   chunk array (N tasks) -> tag array (N, GPU) -> [chunk,tag,vocab] -> [cluster] -> [coherence]
+#   chunk array (T tasks) => tag array (T, GPU) -> [chunk,tag,vocab] -> [cluster] -> [coherence]
 #   -> [label] -> [library] -> [targets] -> [train_annotator; plan annotate,tokenize]
-#   -> annotate array (N, GPU) -> tokenize array (N) -> [annotate,tokenize,index]
+#   -> annotate array (T, GPU) => tokenize array (T) -> [annotate,tokenize,index]
+#
+# "=>" is --dependency=aftercorr: tag task i starts as soon as chunk task i succeeded (shard i of a map stage
+# reads only shard i of the one before), not when the whole chunk array is done; "->" is afterok on the
+# whole job. T = min(N, MaxArraySize): SLURM refuses arrays past MaxArraySize (1001 tasks by default), so with
+# more shards task i runs shards i, i+T, i+2T, ... (the same shards in every map stage, which keeps aftercorr
+# correct).
 #
 # Array tasks run one shard each through `atlas stage NAME --run-dir RUN --shard $SLURM_ARRAY_TASK_ID`;
 # the [bracketed] jobs run `atlas run CONFIG --stages ... --inline` (infra/slurm/stages.sbatch), which
@@ -23,6 +29,7 @@
 #   SBATCH_ARGS="..."       extra sbatch options for every job, e.g. "--partition=batch --account=lm"
 #   GPU_STAGES="coherence label library targets train_annotator"   global stages whose job also gets
 #                           --gres=gpu:1 (default: none; with llm.engine vllm, list every LLM step)
+#   MAX_ARRAY_SIZE=1001     SLURM's MaxArraySize (default: read with `scontrol show config`, else 1001)
 #   DRY_RUN=1               print the sbatch commands instead of submitting (the plan still runs)
 set -euo pipefail
 
@@ -47,13 +54,21 @@ print(run.read_manifest()["stages"]["chunk"]["num_shards"], run.root)
 PY
 )"
 read -r N RUN_DIR <<< "$INFO"
-echo "run directory $RUN_DIR: $N shard(s) per map stage"
+if [ -z "${MAX_ARRAY_SIZE:-}" ]; then
+  MAX_ARRAY_SIZE="$(scontrol show config 2>/dev/null | awk '$1 == "MaxArraySize" {print $3}')"
+fi
+MAX_ARRAY_SIZE="${MAX_ARRAY_SIZE:-1001}"
+TASKS=$(( N < MAX_ARRAY_SIZE ? N : MAX_ARRAY_SIZE ))  # array indices 0..TASKS-1 stay below MaxArraySize
+STRIDE=()                                             # the templates' second argument: shards per task > 1
+[ "$TASKS" -lt "$N" ] && STRIDE=("$TASKS")
+echo "run directory $RUN_DIR: $N shard(s) per map stage, arrays of $TASKS task(s)"
 
-LAST=""  # the job the next one waits for
-submit() {  # submit NAME SBATCH-ARGS... : sbatch after $LAST succeeded; sets LAST to the new job id
+LAST=""      # the job the next one waits for
+AFTER=afterok  # how: afterok (the whole job) or aftercorr (task i after task i of an array of the same size)
+submit() {  # submit NAME SBATCH-ARGS... : sbatch after $LAST ($AFTER); sets LAST to the new job id
   local name="$1"; shift
   local cmd=(sbatch --parsable --kill-on-invalid-dep=yes ${EXTRA[@]+"${EXTRA[@]}"})
-  [ -n "$LAST" ] && cmd+=(--dependency="afterok:$LAST")
+  [ -n "$LAST" ] && cmd+=(--dependency="$AFTER:$LAST")
   cmd+=("$@")
   if [ -n "${DRY_RUN:-}" ]; then
     echo "${cmd[*]}"
@@ -63,8 +78,10 @@ submit() {  # submit NAME SBATCH-ARGS... : sbatch after $LAST succeeded; sets LA
     echo "$name: job $LAST"
   fi
 }
-array() {  # array STAGE PARALLEL: one task per shard
-  submit "$1" --array="0-$((N - 1))%$2" "$HERE/$1_array.sbatch" "$RUN_DIR"
+array() {  # array STAGE PARALLEL [aftercorr]: TASKS tasks over the N shards
+  AFTER="${3:-afterok}"
+  submit "$1" --array="0-$((TASKS - 1))%$2" "$HERE/$1_array.sbatch" "$RUN_DIR" ${STRIDE[@]+"${STRIDE[@]}"}
+  AFTER=afterok
 }
 stages() {  # stages STAGES [PLAN_NEXT]: one job, in order
   local gres=()
@@ -73,13 +90,13 @@ stages() {  # stages STAGES [PLAN_NEXT]: one job, in order
 }
 
 array chunk "$MAX_PARALLEL"
-array tag "$GPU_PARALLEL"
+array tag "$GPU_PARALLEL" aftercorr
 stages chunk,tag,vocab
 for stage in cluster coherence label library targets; do
   stages "$stage"
 done
 stages train_annotator annotate,tokenize      # annotate is planned from the annotator's config
 array annotate "$GPU_PARALLEL"
-array tokenize "$MAX_PARALLEL"
+array tokenize "$MAX_PARALLEL" aftercorr
 stages annotate,tokenize,index
 echo "${DRY_RUN:+(dry run) }submitted; follow with: squeue --me   and   atlas status $RUN_DIR"

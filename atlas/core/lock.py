@@ -1,0 +1,137 @@
+"""The run lock: one driver (`atlas run`, `atlas plan`) per run directory at a time.
+
+``RUN/_lock`` holds the pid, host, start time and command of the process that drives the run. It appears whole
+or not at all: the lock is written under a temporary name, then hard-linked to ``RUN/_lock``, which fails when a
+lock is already there. A lock left on this host by a process that is gone (killed, crashed) is stale and taken
+over; a lock of another host is never broken, as only that host can tell whether its process still runs.
+
+`atlas stage` (one SLURM array task of a planned run) takes no lock: the tasks of one plan run side by side,
+each writing only its own shards. Commands that only read a run (status, report, inspect) take none either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+LOCK_NAME = "_lock"
+
+# Locks this process holds: path -> pid. `atlas run` holds the lock while run_stages, inside it, takes it again;
+# the pid keeps a forked worker from thinking it holds its parent's lock.
+_HELD: dict[Path, int] = {}
+
+
+class RunLocked(RuntimeError):
+    """Another process drives this run directory."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): kill(0) said it exists
+        return True
+
+
+def _read(path: Path) -> dict | None:
+    """The lock's holder; None when there is no lock; {} when the file is damaged (never taken as stale)."""
+    try:
+        holder = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _is_stale(holder: dict) -> bool:
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid)
+
+
+def _locked_message(root: Path, holder: dict) -> str:
+    who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+           if holder else "its lock file is unreadable")
+    command = f": {holder['command']}" if holder.get("command") else ""
+    return (f"{root} is in use by another atlas run ({who}{command}); wait for it or, if that process is gone, "
+            f"remove {root / LOCK_NAME}")
+
+
+def _break_stale(path: Path, holder: dict) -> None:
+    """Remove a stale lock, unless another process took it over in the meantime (its fresh lock stays)."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.stale.tmp")
+    try:
+        os.rename(path, aside)  # atomic: of two processes breaking the same stale lock, one gets it
+    except FileNotFoundError:
+        return
+    try:
+        if _read(aside) != holder:  # we moved a fresh lock, not the stale one: put it back
+            os.link(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _acquire(root: Path, path: Path, command: str) -> dict:
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": command}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(mine) + "\n")
+    try:
+        for _ in range(5):  # a lock released or broken by someone else meanwhile: try again
+            try:
+                os.link(tmp, path)
+                return mine
+            except FileExistsError:
+                holder = _read(path)
+                if holder is None:
+                    continue
+                if not _is_stale(holder):
+                    raise RunLocked(_locked_message(root, holder)) from None
+                print(f"note: {path} was left by pid {holder['pid']} on this host, which is no longer running "
+                      f"(killed?); taking it over", file=sys.stderr)
+                _break_stale(path, holder)
+        raise RunLocked(_locked_message(root, _read(path) or {}))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def run_lock(root: str | Path, command: str | None = None) -> Iterator[None]:
+    """Hold ``RUN/_lock`` for the ``with`` block (released on exceptions and Ctrl-C too); ``RunLocked`` when another
+    live process holds it. A run directory this creates is removed again if nothing was written into it."""
+    root = Path(root).resolve()
+    path = root / LOCK_NAME
+    if _HELD.get(path) == os.getpid():  # already ours (`atlas run` around run_stages): the outer block releases it
+        yield
+        return
+    created = list(itertools.takewhile(lambda p: not p.exists(), [root, *root.parents]))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        mine = _acquire(root, path, command or shlex.join(sys.argv))
+        _HELD[path] = os.getpid()
+        try:
+            yield
+        finally:
+            del _HELD[path]
+            if _read(path) == mine:
+                path.unlink()
+    finally:
+        for folder in created:  # a refused run leaves no empty run directory behind
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: the run wrote into it
+                break
