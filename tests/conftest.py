@@ -31,8 +31,9 @@ _clock: dict[str, float] = {}  # set as each test starts
 
 def pytest_runtest_setup(item):
     """Start the clock of the test about to run (its fixtures included, as pytest-timeout counts them)."""
+    marker = item.get_closest_marker("timeout")  # a test's own @pytest.mark.timeout(S) wins over the ini's
     try:
-        timeout = float(item.config.getini("timeout") or 600)
+        timeout = float(marker.args[0] if marker and marker.args else item.config.getini("timeout") or 600)
     except ValueError:  # pytest-timeout not installed
         timeout = 600.0
     _clock.update(started=time.monotonic(), timeout=timeout)

@@ -104,6 +104,7 @@ def with_run_dir(config: Path, run_dir: Path) -> Path:
     return path
 
 
+@pytest.mark.timeout(1500)  # 24 runs of the pipeline: 3-5 min on 2 quiet cores, far longer on a busy machine
 def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outputs(pipeline, tmp_path):
     """Kill `atlas run` twice per stage, at a random moment (0-0.3 s) after the stage starts (seeded; the seed is
     printed), restart it each time, and compare the finished run with the uninterrupted one. A stage quicker than
@@ -120,7 +121,7 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
         process = atlas_run(config)
         # Wait for the target stage, or a later one when the target is already done or too quick to see.
         wait_for(lambda p=process, t=target: p.poll() is not None or order.get(running_stage(run_dir, p.pid), -1)
-                 >= order[t], f"`atlas run` to start stage {target} (kills so far: {kills})", 120, interval=0.005)
+                 >= order[t], f"`atlas run` to start stage {target} (kills so far: {kills})", RUN_S, interval=0.005)
         if process.poll() is not None:  # the run finished: nothing left to kill
             break
         delay = rng.uniform(0, 0.3)
