@@ -218,10 +218,9 @@ def _inspect_concepts(run, args) -> None:
     import pyarrow.parquet as pq
 
     from atlas.io.chunks import read_chunks
+    from atlas.io.library import load_library
 
-    names = {r["concept_id"]: (r["domain"], r["name"]) for r in
-             pq.read_table(run.output_dir(layout.LIBRARY) / "concepts.parquet",
-                           columns=["concept_id", "domain", "name"]).to_pylist()}
+    names = {r["concept_id"]: (r["domain"], r["name"]) for r in load_library(run)[0]}
     if args.what == "annotator":
         predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet")
         rows = predictions.slice(0, args.n).to_pylist()

@@ -23,7 +23,7 @@ from atlas.config import AtlasConfig
 from atlas.core.files import atomic_write_json
 from atlas.core.rundir import RunDir
 from atlas.io import layout
-from atlas.io.library import chunk_concepts
+from atlas.io.library import chunk_concepts, load_library
 
 
 def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: int = 200, seed: int = 0) -> dict:
@@ -33,8 +33,7 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     from atlas.models.judge import judge_pairs
 
     run = RunDir(config.run_dir)
-    concepts = {r["concept_id"]: r
-                for r in pq.read_table(run.output_dir(layout.LIBRARY) / "concepts.parquet").to_pylist()}
+    concepts = {r["concept_id"]: r for r in load_library(run)[0]}
     assigned = chunk_concepts(run)
     labels, texts, fields = {}, {}, Counter()
     for chunk_id, row in read_chunks(run, assigned, ("chunk_text", "metadata")).items():
