@@ -1,3 +1,10 @@
 """Atlas: from a text corpus to a concept library, concept-annotated training shards and a concept-bottleneck LM."""
 
+import os
+
+# OpenMP threads that wait by spinning (the default of torch's runtime) hold a core while another process or worker
+# needs it: on a busy 2-core machine, MiniLM encoded 38 phrases/s with 2 spinning threads, 275/s with passive ones.
+# Set before torch loads; a value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"

@@ -6,8 +6,8 @@
     atlas status RUN                          per stage: shards done/pending, counts, drops
     atlas inspect RUN chunks|tags [-n 5]      a few rows, readable
     atlas judge RUN [--sample 200]            relevance of tags to chunks, 1-5 (offline: a proxy)
-    atlas eval library RUN [--label-field L]  purity/NMI of concepts against known labels, concept relevance
-    atlas eval annotator RUN [--label-field L]  linear probes: predicted concepts vs raw embeddings
+    atlas eval library RUN [--label-field L]  per source, by document: probes, top-concept homogeneity vs k-means
+    atlas eval annotator RUN [--label-field L]  the same on the annotator's concepts, plus held-out chunk probes
     atlas annotate-text RUN "text" [...]      the concepts the trained annotator gives a text, with scores
     atlas search RUN "query" [-k 10]          the nearest training chunks, through the IVFPQ index
     atlas export RUN OUT                      the release view: chunks, concepts, field guide, co-occurrence
@@ -339,7 +339,7 @@ def cmd_judge(args) -> int:
 def cmd_eval(args) -> int:
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
-    from atlas.tools.evaluate import evaluate_annotator, evaluate_library
+    from atlas.tools.evaluate import evaluate_annotator, evaluate_library, format_per_source
 
     run = RunDir(args.run_dir)
     manifest = run.read_manifest()
@@ -352,11 +352,15 @@ def cmd_eval(args) -> int:
         summary = evaluate_library(config, args.label_field, args.sample, args.seed)
     else:
         summary = evaluate_annotator(config, args.label_field)
+    table = format_per_source(summary)  # none when no document has a label (said last, below)
+    if table:  # the per-source table first, readable; its rows in full are in the file, not repeated below
+        print("\n".join([*table, ""]))
+        summary = {k: v for k, v in summary.items() if k != "per_source"}
     print(json.dumps(summary, indent=2))
     if "label_metrics" in summary:  # no labels: say so last, where it is seen
         print(f"no label metrics: {summary['label_metrics'].removeprefix('not computed: ')}")
     summary = args.what + ("_eval" if args.what == "library" else "_probe") + ".json"
-    print(f"written to {run.root / layout.REPORT / summary}")
+    print(f"written to {run.root / layout.REPORT / summary}" + (" (per_source in full)" if table else ""))
     return 0
 
 
@@ -447,7 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the run's config, e.g. llm.engine=openai llm.base_url=http://host:8000/v1")
     p.set_defaults(fn=cmd_judge)
 
-    p = sub.add_parser("eval", help="evaluate an artifact against ground truth: `atlas eval library RUN`")
+    p = sub.add_parser("eval", help="evaluate an artifact against ground truth: `atlas eval library RUN`",
+                       description="Per labelled source (data_src), by document: linear probes on concept vectors "
+                                   "vs raw embeddings, and homogeneity / NMI of each document's top concept vs a "
+                                   "k-means baseline with as many clusters; then the summary as JSON.")
     p.add_argument("what", choices=["library", "annotator"])
     p.add_argument("run_dir")
     p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")

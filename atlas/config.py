@@ -132,6 +132,13 @@ class VocabConfig(Section):
 
     # Tags seen fewer times are left out (the paper clustered the ~1M of 14M unique tags seen more than 15 times).
     min_count: int = Field(default=1, ge=1)
+    # The fields whose tags become content concepts, by their schema role ("x-atlas-role"): "topic" fields say what a
+    # chunk is about; "style" fields (purpose, tone, difficulty, notation...) how it is written. Style tags stay in
+    # tags/ and the auxiliary domains (library.aux_domains) label style; ["topic", "style"] clusters everything.
+    roles: list[Literal["topic", "style"]] = Field(default_factory=lambda: ["topic"], min_length=1)
+    # Tags on more than this share of the tagged chunks say nothing about any of them ("number", "people"): left out.
+    max_chunk_share: float = Field(default=0.02, gt=0, le=1)
+    generic_min_chunks: int = Field(default=20, ge=1)  # ... and on more than this many (small corpora: none generic)
     embedding_model: str = "all-MiniLM-L6-v2"  # paper: all-mpnet-base-v2 (768-d), from a local folder or the HF cache
     batch_size: int = Field(default=256, ge=1)  # tags per encode call; also the embedding cache's unit
 
@@ -148,11 +155,16 @@ class LibraryConfig(Section):
     core_min: int = Field(default=9, ge=1, le=10)
     random_min: int = Field(default=8, ge=1, le=10)
     edge_min: int = Field(default=7, ge=1, le=10)
+    # A cluster's chunks must be closer to each other than random chunks of the corpus: with m and r their mean
+    # pairwise cosines, (m - r) / (1 - r) >= this (clusters of filler words cover chunks with nothing in common).
+    # 0: no such test.
+    min_chunk_cohesion: float = Field(default=0.05, ge=0, lt=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
     # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
     dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
     dedup_m: int = Field(default=20, ge=1)
     dedup_min_merged: float = Field(default=0.005, ge=0)  # repeat a tau while a pass merges more than this share
+    name_merge_tau: float = Field(default=0.9, gt=0, le=1)  # then: concepts whose names have cosine > this merge
     # a word must occur in this many of a concept's chunks to be "lifted"
     lift_min_support: int = Field(default=5, ge=1)
     # Auxiliary domains (paper 4.2.3), each a finite list in schemas/aux/<domain>.json. Their labels join
@@ -195,8 +207,14 @@ class AnnotatorConfig(Section):
     pu_gamma: float = Field(default=1.0, ge=0)  # ... step on -gamma * (negative risk) instead
     # sampling weight of a chunk: mean over its concepts of count^-power
     rarity_power: float = Field(default=0.5, ge=0)
-    # Decision rule: per-domain threshold and cap on the number of labels, chosen on the held-out split
-    # (criterion: recall^2 / P(predicted), Lee & Liu 2003, which needs no negatives); fixed values override.
+    # Calibration and decision rule, on the held-out split. Each domain's logits are Platt-calibrated to the
+    # probability of a known positive (stored in annotator/config.json). A content concept is given when its
+    # calibrated probability reaches the threshold that maximizes F1 of the known positives on held-out pairs
+    # (at least the domain's known-positive rate); an auxiliary label (tone, demographic, alignment) when it
+    # reaches aux_min_probability, so a chunk may get none. max_caps only bounds the labels per chunk (a safety
+    # limit, not chosen by a criterion). Fixed values per domain in thresholds (calibrated probabilities) and
+    # caps override the rule and max_caps.
+    aux_min_probability: float = Field(default=0.5, gt=0, le=1)
     max_caps: dict[str, Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: {"content": 20, "tone": 3, "demographic": 3, "alignment": 2})
     thresholds: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)  # probabilities

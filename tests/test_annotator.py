@@ -1,4 +1,4 @@
-"""The annotator's pieces, without a model: losses by hand, decision rule, reservoir, split, save/load."""
+"""The annotator's pieces, without a model: losses by hand, calibration, decision rule, reservoir, split, save/load."""
 
 import json
 import math
@@ -6,22 +6,35 @@ import math
 import numpy as np
 import pytest
 import torch
+from scipy import sparse
 
+from atlas.core.files import ArtifactError
 from atlas.llm.answers import SchemaError
 from atlas.models.annotator import (
+    MIN_SLOPE,
+    RETRAIN,
     Annotator,
     AnnotatorHeads,
     AnnotatorSpec,
     annotator_loss,
-    choose_rule,
+    calibrate,
     decide,
+    fit_platt,
     masked_bce_positive,
     nn_pu_risk,
     pu_priors,
     save_annotator,
+    valid_calibration,
 )
 from atlas.models.auxiliary import AuxDomain, calibrated_labels, load_aux_domains
-from atlas.models.pu_metrics import ranking_metrics
+from atlas.models.pu_metrics import (
+    best_f1_threshold,
+    calibration_report,
+    labels_per_chunk,
+    median_predicted_score,
+    ranking_metrics,
+    reliability,
+)
 from atlas.stages.targets import build_reservoir, heldout_split
 
 
@@ -94,16 +107,133 @@ def test_decide_applies_threshold_then_cap():
     assert [[j for j, _ in row] for row in decide(probs, 0.25, 10)] == [[0, 2, 3], [1]]
 
 
-def test_choose_rule_finds_the_separating_threshold_and_cap():
-    # every chunk has exactly one positive, its best-scored label; the others sit at 0.1-0.4
-    probs = np.array([[0.9, 0.4, 0.1], [0.3, 0.85, 0.2], [0.1, 0.4, 0.8]])
-    targets = np.eye(3)
-    rule = choose_rule(probs, targets, max_cap=3)
-    assert all([j for j, _ in row] == [i] for i, row in enumerate(decide(probs, rule["threshold"], rule["cap"])))
-    second = np.array([[0.9, 0.6, 0.1], [0.3, 0.85, 0.7], [0.65, 0.1, 0.8]])  # each chunk's runner-up at 0.6-0.7
-    rule = choose_rule(second, targets, max_cap=3)
-    assert all([j for j, _ in row] == [i] for i, row in enumerate(decide(second, rule["threshold"], rule["cap"])))
-    assert choose_rule(probs, np.zeros((3, 3)), 3)["criterion"] == -1.0  # nothing known: a default rule
+def synthetic_domain(seed=0, n=2000, labels=50, a=0.35, b=-2.5):
+    """Saturated logits (as nnPU gives) whose true probability of a known positive is sigmoid(a * logit + b)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 8.0, (n, labels)).astype(np.float32)
+    true = 1 / (1 + np.exp(-(a * logits.astype(np.float64) + b)))
+    return logits, true, rng.random((n, labels)) < true
+
+
+def test_platt_recovers_known_probabilities():
+    logits, true, truth = synthetic_domain()
+    fitted = fit_platt(logits, truth)
+    assert fitted["a"] == pytest.approx(0.35, abs=0.02) and fitted["b"] == pytest.approx(-2.5, abs=0.1)
+    assert fitted["fit_pairs"] == fitted["pairs"] == truth.size and fitted["known_positives"] == truth.sum()
+    probs = calibrate(logits, fitted)
+    assert probs.dtype == np.float32 and np.abs(probs - true).max() < 0.02
+    report = calibration_report(logits, truth, seed=0)  # cross-fitted: each half calibrated by the other's map
+    assert report["ece"] < 0.01 and len(report["ece_halves"]) == 2
+    assert report["ece_uncalibrated"] > 0.1  # the raw sigmoid is far off: saturated, over-confident
+    bins = report["reliability"]
+    assert bins["cross_fitted"] and sum(bins["bin_pairs"]) == truth.size and bins["ece"] == report["ece"]
+    for mean_p, observed, pairs in zip(bins["bin_mean_probability"], bins["bin_observed_rate"], bins["bin_pairs"]):
+        assert pairs < 500 or abs(mean_p - observed) < 0.05
+
+
+def test_platt_on_a_sample_stays_calibrated(monkeypatch):
+    """Over the pair budget: positives (up to half) and a uniform sample, weighted by their inverse rates."""
+    from atlas.models import pu_metrics
+
+    logits, true, truth = synthetic_domain(seed=1)
+    monkeypatch.setattr(pu_metrics, "MAX_PAIRS_FOR_PR_AUC", 25_000)  # the report on a fixed sample of chunks
+    report = calibration_report(logits, truth, seed=0)
+    assert report["chunks"] == 500 and report["ece"] < 0.02 and sum(report["reliability"]["bin_pairs"]) == 25_000
+    full = fit_platt(logits, truth)
+    sampled = fit_platt(logits, sparse.csr_matrix(truth.astype(np.float32)), max_pairs=20_000, seed=3)
+    assert sampled["fit_pairs"] <= 20_000 and sampled["pairs"] == truth.size
+    assert sampled["a"] == pytest.approx(full["a"], rel=0.1) and sampled["b"] == pytest.approx(full["b"], abs=0.2)
+    assert reliability(calibrate(logits, sampled), truth)["ece"] < 0.01
+    assert fit_platt(logits, truth, max_pairs=20_000, seed=3) == sampled  # seeded; dense and sparse agree
+
+
+def test_platt_degenerate_domains_keep_an_increasing_map():
+    logits = np.random.default_rng(0).normal(0, 3, (100, 4)).astype(np.float32)
+    none = fit_platt(logits, np.zeros((100, 4)))  # no known positive: the level only, the ranking kept
+    assert none["a"] == MIN_SLOPE and calibrate(logits, none).max() < 0.01
+    separable = fit_platt(np.array([[5.0, -5.0], [-5.0, 5.0]]), np.eye(2))  # Platt's targets keep a finite
+    assert 0 < separable["a"] < 10 and np.isfinite(separable["b"])
+    assert fit_platt(np.zeros((0, 3)), np.zeros((0, 3)))["a"] == 1.0
+    assert valid_calibration(none) and valid_calibration({"method": "platt", "a": 1, "b": 0})
+    for bad in (None, {}, {"method": "platt", "a": 0.0, "b": 0.0}, {"method": "platt", "a": True, "b": 0.0},
+                {"method": "platt", "a": float("nan"), "b": 0.0}, {"method": "isotonic", "a": 1.0, "b": 0.0}):
+        assert not valid_calibration(bad)
+
+
+def test_calibration_leaves_the_ranking_metrics_unchanged():
+    logits, _, truth = synthetic_domain(seed=2, n=500)
+    calibrated = ranking_metrics(calibrate(logits, fit_platt(logits, truth)), truth)
+    raw = ranking_metrics(logits, truth, bins=None)
+    assert calibrated["recall_at"] == raw["recall_at"]
+    assert calibrated["pr_auc"] == pytest.approx(raw["pr_auc"], abs=1e-6)  # float32 ties at most
+    assert "reliability" not in raw and "reliability" in calibrated
+
+
+def test_best_f1_threshold_by_hand():
+    probs = np.array([[0.9, 0.6, 0.1], [0.7, 0.2, 0.05], [0.3, 0.8, 0.02]])
+    truth = np.array([[1, 1, 0], [1, 0, 0], [0, 1, 0]])
+    best = best_f1_threshold(probs, truth, block_rows=2)  # blocks of rows give the same counts
+    # every positive scores >= 0.6 and every other pair <= 0.3: any threshold in (0.3, 0.6] separates them
+    assert 0.3 < best["threshold"] <= 0.6 and best["f1_lower_bound"] == 1.0 and best["recall"] == 1.0
+    assert best_f1_threshold(probs, np.zeros((3, 3)))["threshold"] == 0.5  # nothing known: a default
+    # no skill: F1 of known positives is best when every label is given; the floor (the known-positive rate,
+    # lift >= 1) stops that
+    rng = np.random.default_rng(0)
+    noise, coin = rng.random((400, 5)), rng.random((400, 5)) < 0.5
+    assert best_f1_threshold(noise, coin, floor=0.0)["threshold"] < 0.05
+    floored = best_f1_threshold(noise, sparse.csr_matrix(coin))
+    assert floored["floor"] == pytest.approx(coin.mean()) and coin.mean() <= floored["threshold"] < 0.56
+
+
+def test_decision_rule_gives_each_chunk_the_labels_it_has():
+    """Calibrated probabilities + a threshold: the number of labels varies and low probabilities fill no cap."""
+    rng = np.random.default_rng(0)
+    n, labels, cap = 400, 40, 20
+    true = np.full((n, labels), 0.01)
+    has = rng.integers(0, 6, n)  # chunk i carries has[i] labels, each likely
+    for i, k in enumerate(has):
+        true[i, rng.choice(labels, k, replace=False)] = 0.9
+    truth = rng.random((n, labels)) < true
+    threshold = best_f1_threshold(true, truth)["threshold"]
+    assert 0.01 < threshold <= 0.9
+    decided = decide(true, threshold, cap)
+    assert [len(row) for row in decided] == has.tolist()  # as many labels as it has, never the cap
+    stats = labels_per_chunk(decided, cap)
+    assert stats["min"] == 0 and stats["max"] == 5 and stats["share_at_cap"] == 0.0
+    assert stats["share_zero"] == pytest.approx((has == 0).mean()) and len(set(has)) > 3
+    assert stats["histogram"][:6] == np.bincount(has, minlength=6).tolist() and len(stats["histogram"]) == cap + 1
+    assert median_predicted_score(decided) == pytest.approx(0.9)
+    low = decide(np.full((3, labels), 0.2), 0.5, cap)  # an auxiliary domain: nothing passes, no label
+    assert low == [[], [], []] and median_predicted_score(low) is None
+
+
+def test_rule_per_domain_and_its_overrides():
+    from atlas.config import AtlasConfig
+    from atlas.stages.train_annotator import TrainAnnotatorStage
+
+    rng = np.random.default_rng(0)
+    probs = rng.random((200, 10)).astype(np.float32)
+    truth = rng.random((200, 10)) < probs * 0.5
+    stage = TrainAnnotatorStage(AtlasConfig())
+    content, tone = stage._rule("content", probs, truth), stage._rule("tone", probs, truth)
+    assert content["threshold"] == best_f1_threshold(probs, truth)["threshold"] and content["cap"] == 20
+    assert tone["threshold"] == 0.5 and tone["cap"] == 3 and tone["threshold_from"] == "annotator.aux_min_probability"
+    assert stage._rule("mood", probs, truth)["cap"] == 10  # a domain without a max_caps entry
+    config = AtlasConfig()
+    config.annotator.thresholds, config.annotator.caps = {"content": 0.3}, {"tone": 1}
+    config.annotator.aux_min_probability = 0.7
+    overridden = TrainAnnotatorStage(config)
+    assert overridden._rule("content", probs, truth)["threshold"] == 0.3
+    tone = overridden._rule("tone", probs, truth)
+    assert (tone["threshold"], tone["cap"]) == (0.7, 1)
+
+
+def test_labels_per_chunk_by_hand():
+    stats = labels_per_chunk([[(0, 0.9)], [], [(1, 0.8), (2, 0.7)], [(0, 0.6), (1, 0.6)]], cap=2)
+    assert stats | {"p90": None} == {"chunks": 4, "min": 0, "median": 1.5, "mean": 1.25, "p90": None, "max": 2,
+                                     "share_at_cap": 0.5, "share_zero": 0.25, "cap": 2, "histogram": [1, 1, 2]}
+    assert stats["p90"] == pytest.approx(2.0)
+    assert labels_per_chunk([], 3)["histogram"] == [0, 0, 0, 0]
 
 
 def test_ranking_metrics_by_hand():
@@ -162,8 +292,10 @@ def small_annotator(tmp_path, seed=0):
     torch.manual_seed(seed)
     heads = AnnotatorHeads(8, 5, {"tone": 3}, hidden=16, dropout=0.0)
     spec = AnnotatorSpec(encoder="all-MiniLM-L6-v2", dim=8, hidden=16, dropout=0.0,
-                         domains={"content": {"offset": 0, "size": 5, "threshold": 0.5, "cap": 2},
-                                  "tone": {"offset": 5, "size": 3, "threshold": 0.4, "cap": 1}})
+                         domains={"content": {"offset": 0, "size": 5, "threshold": 0.5, "cap": 2,
+                                              "calibration": {"method": "platt", "a": 0.5, "b": -1.0}},
+                                  "tone": {"offset": 5, "size": 3, "threshold": 0.4, "cap": 1,
+                                           "calibration": {"method": "platt", "a": 2.0, "b": 0.25}}})
     save_annotator(tmp_path, heads, spec)
     return heads, spec
 
@@ -174,15 +306,36 @@ def test_save_and_load_round_trip(tmp_path):
     loaded = Annotator(tmp_path)
     assert loaded.spec == spec
     z = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
-    probs = loaded.probabilities(z.numpy())
+    probs = loaded.probabilities(z.numpy())  # the heads only: no encoder is loaded for this
+    assert loaded.embedder is None
     heads.eval()
     with torch.no_grad():
-        expected = {d: torch.sigmoid(v).numpy() for d, v in heads(z).items()}
-    for domain in ("content", "tone"):
-        np.testing.assert_array_equal(probs[domain], expected[domain])
+        logits = heads(z)
+    for domain in ("content", "tone"):  # calibrated: sigmoid(a * logit + b) with the stored (a, b)
+        expected = calibrate(logits[domain].numpy(), spec.domains[domain]["calibration"])
+        np.testing.assert_array_equal(probs[domain], expected)
+        np.testing.assert_array_equal(loaded.logits(z.numpy())[domain], logits[domain].numpy())
+        a, b = spec.domains[domain]["calibration"]["a"], spec.domains[domain]["calibration"]["b"]
+        np.testing.assert_allclose(probs[domain], torch.sigmoid(a * logits[domain] + b).numpy(), rtol=1e-6)
     for row in loaded.decide(probs):  # global ids: tone labels come after the 5 content concepts
         assert len(row["content"]) <= 2 and all(0 <= g < 5 for g, _ in row["content"])
         assert len(row["tone"]) <= 1 and all(5 <= g < 8 for g, _ in row["tone"])
+
+
+def test_an_annotator_without_calibration_is_refused(tmp_path):
+    small_annotator(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for v in config["domains"].values():  # what an annotator trained before calibration wrote
+        del v["calibration"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match=r"no calibration for domain\(s\) content, tone") as error:
+        Annotator(tmp_path)
+    assert RETRAIN in str(error.value) and str(tmp_path / "config.json") in str(error.value)
+    config["domains"]["content"]["calibration"] = {"method": "platt", "a": -1.0, "b": 0.0}  # decreasing: refused
+    config["domains"]["tone"]["calibration"] = {"method": "platt", "a": 1.0, "b": 0.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match=r"no calibration for domain\(s\) content \("):
+        Annotator(tmp_path)
 
 
 def test_loading_checks_files_and_label_space(tmp_path):

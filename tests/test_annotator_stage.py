@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -68,6 +69,63 @@ def test_annotator_artifacts_metrics_and_determinism(trained):
     run_stages(reseeded, ["targets", "train_annotator"], force=True, log=lambda m: None)
     other = annotator_files(RunDir(reseeded.run_dir))
     assert other["model.safetensors"] != first["model.safetensors"]
+
+
+def test_annotator_is_calibrated_and_decides_per_chunk(trained):
+    """Platt maps in config.json, cross-fitted ECE and the rule's labels per chunk in metrics.json, and a reloaded
+    annotator's probabilities are those the stage computed."""
+    from atlas.io import layout
+    from atlas.io.chunks import read_chunks
+    from atlas.models.annotator import Annotator
+    from atlas.models.embedder import encode_cached
+
+    config, run = trained
+    folder = run.output_dir("annotator")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    spec = json.loads((folder / "config.json").read_text())
+    for d, m in metrics["domains"].items():
+        stored, c = spec["domains"][d]["calibration"], m["calibration"]
+        assert set(stored) == {"method", "a", "b"} and stored["method"] == "platt" and stored["a"] > 0
+        assert (c["a"], c["b"]) == (stored["a"], stored["b"]) and c["pairs"] == metrics["heldout_chunks"] * m["labels"]
+        assert 0 <= c["ece"] <= 1 and 0 <= c["ece_uncalibrated"] <= 1 and len(c["ece_halves"]) == 2
+        assert c["ece"] == pytest.approx(np.mean(c["ece_halves"]))
+        assert m["reliability"]["cross_fitted"] and m["reliability"]["ece"] == c["ece"]  # what the report shows
+        assert sum(m["reliability"]["bin_pairs"]) == sum(c["reliability_uncalibrated"]["bin_pairs"]) == c["pairs"]
+        counts = m["labels_per_chunk"]
+        assert {"min", "median", "mean", "p90", "max", "share_at_cap", "share_zero", "histogram"} <= counts.keys()
+        assert sum(counts["histogram"]) == metrics["heldout_chunks"] and counts["max"] <= spec["domains"][d]["cap"]
+        assert counts["mean"] == pytest.approx(m.get("mean_predicted_per_chunk", counts["mean"]))
+        assert m["median_predicted_score"] is None or spec["domains"][d]["threshold"] <= m["median_predicted_score"]
+        if m["pr_auc"] is not None:  # an increasing map: the ranking metrics are those of the raw logits
+            assert m["recall_at"] == m["ranking_uncalibrated"]["recall_at"]
+            assert m["pr_auc"] == pytest.approx(m["ranking_uncalibrated"]["pr_auc"], abs=1e-6)
+        rule = metrics["rules"][d]
+        assert (rule["threshold"], rule["cap"]) == (spec["domains"][d]["threshold"], spec["domains"][d]["cap"])
+        assert rule["cap"] == config.annotator.max_caps[d]  # the cap is a safety limit, not chosen
+    assert metrics["rules"]["content"]["threshold_from"] == "max F1 of known positives (held-out)"
+    assert metrics["rules"]["content"]["threshold"] == metrics["rules"]["content"]["best_f1"]["threshold"]
+    for d in ("tone", "demographic", "alignment"):
+        assert metrics["rules"][d]["threshold"] == config.annotator.aux_min_probability
+    assert (run.root / "report" / "annotator_reliability.png").exists()
+
+    # a reloaded annotator gives exactly the probabilities (and so the labels) of training
+    targets = pq.read_table(run.part_path("targets", 0)).to_pydict()
+    chunks = read_chunks(run, set(targets["chunk_id"]))
+    annotator = Annotator(folder).setup()
+    vectors, computed = encode_cached(annotator.embedder, [chunks[c]["chunk_text"] for c in targets["chunk_id"]],
+                                      run.root / layout.CACHE / "embeddings", config.annotator.embed_batch_size)
+    assert computed == 0  # the stage's own cached embeddings
+    held = [i for i, split in enumerate(targets["split"]) if split == "heldout"]
+    probs = annotator.probabilities(vectors.astype(np.float32)[held])
+    predictions = pq.read_table(folder / "heldout_predictions.parquet").to_pylist()
+    assert [p["chunk_id"] for p in predictions] == [targets["chunk_id"][i] for i in held]
+    for p, row in zip(predictions, annotator.decide(probs)):
+        assert p["concepts"] == [g for d in row for g, _ in row[d]]
+        assert p["concept_scores"] == [s for d in row for _, s in row[d]]
+    table = pq.read_table(folder / "calibration.parquet").to_pylist()
+    for d in annotator.spec.domains:
+        means = [r["mean_probability"] for r in table if r["domain"] == d]
+        np.testing.assert_allclose(means, probs[d].mean(axis=0), rtol=1e-5, atol=1e-7)
 
 
 def test_cli_annotate_inspect_and_probe(trained, capsys):

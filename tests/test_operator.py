@@ -4,25 +4,11 @@ defined judge figures, `atlas eval` without labels, the report's explanations an
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
-import pytest
 from conftest import write_config, write_jsonl
 
 from atlas.cli import main
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path):
-    """A private copy of the trained run (with its embedding cache), whose manifest points at the copy."""
-    _, run = trained
-    root = tmp_path / "run"
-    shutil.copytree(run.root, root)
-    manifest = json.loads((root / "manifest.json").read_text())
-    manifest["config"]["run_dir"] = str(root)
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
 
 
 def test_targets_shows_progress_inside_its_one_shard(run_copy, capsys):

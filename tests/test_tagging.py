@@ -7,7 +7,7 @@ import pytest
 
 from atlas.config import TagConfig
 from atlas.llm.answers import SchemaError, load_schemas, normalize_tag, parse_answer
-from atlas.llm.offline import candidate_phrases, mmr, proxy_score
+from atlas.llm.offline import candidate_phrases, clear_candidates, in_lexicon, mmr, proxy_score
 from atlas.llm.prompts import PromptError, load_prompt
 from atlas.stages.tag import PROMPT_PLACEHOLDERS, _prompt_path
 
@@ -97,7 +97,19 @@ def test_candidate_phrases_and_mmr():
     assert phrases[0] == "apollo program" and "the" not in phrases
     code = candidate_phrases('def binary_search(sortedList, target):\n    """Bisection search."""\n    return -1',
                              code=True)
-    assert {"binary search", "sorted", "bisection search"} <= set(code) and "def" not in code
+    assert {"binary search", "bisection search", "target"} <= set(code) and "def" not in code
+    # noun phrases within a clause: verbs, adverbs, numbers and punctuation end a phrase; heads are singular
+    prose = candidate_phrases("Susan gives Robert four cats. The prime numbers reach zero, causing errors instead. "
+                              "Mail kolstad@cae.wisc.edu or see http://example.com/x about \\frac{1}{2} fractions.")
+    assert {"prime number", "susan", "robert", "cat", "fraction"} <= set(phrases + prose)
+    assert not {p for p in prose if {"gives", "causing", "instead", "four", "edu", "frac", "http"} & set(p.split())}
+    assert "cats susan" not in prose and "number reach" not in prose
+    assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
+    assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
+    values = [f"v{i}" for i in range(20)]
+    scores = np.r_[0.6, np.full(19, 0.1)]
+    assert clear_candidates(values, scores, 2) == ["v0"]  # only what clearly stands out, never the rest of k
+    assert clear_candidates(values, np.full(20, 0.3), 2) == []
     doc = np.array([1.0, 0.0])
     vectors = np.array([[1.0, 0.0], [0.99, 0.141], [0.6, 0.8]])
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Small PNG plots (histogram, lines, scatter, loss curves), written atomically.
+"""Small PNG plots (histogram, lines, scatter, loss curves, reliability), written atomically.
 
 Stages write them under ``RUN/report/`` while they run; the HTML report (``atlas.tools.report``) inlines them.
 matplotlib is imported only when a plot is drawn, with the Agg backend (no display needed).
@@ -109,3 +109,19 @@ def curves(x, series: dict[str, list], title: str, xlabel: str, marks: dict[str,
     ax.title.set_fontsize(10)
     ax.legend(fontsize=8)
     return _png(plt, fig)
+
+
+def reliability(curves: dict[str, tuple[list, list]], path: Path, title: str, xlabel: str, ylabel: str,
+                grey: set[str] = frozenset()) -> None:
+    """Reliability diagram: one (mean probability, observed rate) curve per label, and the diagonal of perfect
+    calibration; curves named in ``grey`` are drawn grey (e.g. before calibration)."""
+    plt, fig, ax = _figure()
+    fig.set_size_inches(5.5, 4.2)
+    ax.plot([0, 1], [0, 1], color="#888888", linestyle="--", linewidth=1, label="perfect calibration")
+    for name, (x, y) in curves.items():
+        style = {"marker": ".", "color": "#bbbbbb"} if name in grey else {"marker": "o"}
+        ax.plot(x, y, label=name, **style)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    _save(plt, fig, path)

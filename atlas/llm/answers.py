@@ -81,13 +81,41 @@ def load_schemas(config: TagConfig) -> tuple[dict[str, TagSchema], dict[str, lis
             if not offline or offline.get("method") not in ("keyphrases", "candidates"):
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' needs "
                                   f'"x-atlas-offline": {{"method": "keyphrases" or "candidates", "k": N}}')
+            if spec.get("x-atlas-role", role_of(spec)) not in ROLES:
+                raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' has \"x-atlas-role\" "
+                                  f"{spec['x-atlas-role']!r}; expected one of {', '.join(ROLES)}")
             if offline["method"] == "candidates" and offline.get("list") not in candidates:
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' names candidate list "
                                   f"{offline.get('list')!r}, not found in {root / 'candidates'}")
+    field_roles(schemas)  # roles must agree across schemas
     for domain, name in config.domain_schemas.items():
         if name not in schemas:
             raise SchemaError(f"tag.domain_schemas.{domain}: no schema '{name}' in {root / 'tags'}")
     return schemas, candidates, files
+
+
+# What a field says about a chunk. "topic": what it is about (the content concept library is built from these
+# fields by default, see vocab.roles). "style": how it is written (purpose, tone, difficulty, notation...).
+ROLES = ("topic", "style")
+
+
+def role_of(spec: dict) -> str:
+    """A field's role: its "x-atlas-role", else "topic" for free-form keyphrase fields and "style" for fixed lists."""
+    default = "topic" if spec.get("x-atlas-offline", {}).get("method") == "keyphrases" else "style"
+    return spec.get("x-atlas-role", default)
+
+
+def field_roles(schemas: dict[str, TagSchema]) -> dict[str, str]:
+    """Field name -> role over every schema; one field name has one role everywhere."""
+    roles: dict[str, tuple[str, str]] = {}
+    for schema in schemas.values():
+        for name, spec in schema.schema["properties"].items():
+            role = role_of(spec)
+            if name in roles and roles[name][0] != role:
+                raise SchemaError(f"field '{name}' is {roles[name][0]!r} in schema {roles[name][1]!r} but {role!r} in "
+                                  f"{schema.name!r}: a field name has one \"x-atlas-role\" in every schema")
+            roles.setdefault(name, (role, schema.name))
+    return {name: role for name, (role, _) in roles.items()}
 
 
 @dataclass

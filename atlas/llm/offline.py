@@ -4,13 +4,15 @@ It answers the same requests as the LLM engines, with JSON that follows the requ
 its output goes through the same validation and accounting. It reads ``request.context``:
 
 - ``task="tag"``: fields marked ``"x-atlas-offline": {"method": "keyphrases"}`` in the domain
-  schema get KeyBERT-style keyphrases: candidate 1-3 word phrases of the chunk (runs of
-  non-stopwords; identifiers split into words for code), ranked by embedding similarity to the
-  chunk, and picked with maximal marginal relevance (MMR) so they do not repeat each other. Several
-  keyphrase fields share one MMR ranking in schema order (e.g. "main" takes the most central
-  phrases, "minor" the next ones). Fields marked ``{"method": "candidates", "list": NAME}`` get the
-  entries of the finite list ``schemas/candidates/NAME.json`` most similar to the chunk, the way the
-  paper annotates its auxiliary domains against finite lists.
+  schema get KeyBERT-style keyphrases: candidate noun phrases of 1-3 words within one clause
+  (``candidate_phrases``: stopwords, number words and words that can only be verbs or adverbs end a
+  phrase; the head is singular; identifiers are split into words for code), ranked by embedding
+  similarity to the chunk, and picked with maximal marginal relevance (MMR) so they do not repeat
+  each other. Several keyphrase fields share one MMR ranking in schema order (e.g. "main" takes the
+  most central phrases, "minor" the next ones). Fields marked ``{"method": "candidates", "list":
+  NAME}`` get an entry of the finite list ``schemas/candidates/NAME.json`` only when it clearly
+  stands out for the chunk (``clear_candidates``), else nothing: a fixed-list answer that is merely
+  the least bad entry ("field: zoology" for Python decorators) is worse than none.
 - ``task="judge"``: relevance of each concept to a chunk from 1 to 5, from their cosine
   similarity. This is a proxy for the LLM judge and is reported as one.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from functools import lru_cache
 
 import numpy as np
 
@@ -41,7 +44,11 @@ STOPWORDS = frozenset(
     were weren't what what's when when's where where's which while who who's whom why why's with won't would wouldn't
     you you'd you'll you're you've your yours yourself yourselves one two three also may might must shall will just
     like get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus
-    therefore q a re subject writes wrote article""".split()
+    therefore q a re subject writes wrote article et al ie eg vs""".split()
+) | frozenset(  # number words: "four years", "zero" are quantities, not topics
+    """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
+    nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
+    billion billions trillion second third fourth fifth sixth seventh eighth ninth tenth half twice dozen""".split()
 )
 CODE_STOPWORDS = frozenset(
     """def return self cls none true false import from class if else elif for while in is not and or pass break
@@ -53,29 +60,79 @@ CODE_STOPWORDS = frozenset(
 WORD = re.compile(r"[A-Za-z][A-Za-z'+#]*[A-Za-z+#]|[A-Za-z]")
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 CAMEL = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+# A phrase never spans punctuation, a dash between spaces or a blank line (one newline is often a wrapped line).
+CLAUSE_BREAK = re.compile(r"""[.,;:!?()\[\]{}<>"“”‘’«»…=*&|\\/]|\s[-–—]+\s|\n\s*\n""")
 MAX_CANDIDATES = 20  # phrases embedded per chunk, after a cheap frequency/length pre-ranking
 MMR_DIVERSITY = 0.4  # 0: only relevance, 1: only novelty
+# A fixed-list field is answered only with entries that clearly stand out from the rest of the list for this
+# chunk: cosine >= CANDIDATE_MIN_SIMILARITY and that many standard deviations above the list's mean; else empty.
+CANDIDATE_MIN_SIMILARITY = 0.25
+CANDIDATE_MIN_Z = 2.5
 
 
+# Not words of the text's topic: URLs, e-mail addresses and message ids, LaTeX commands ("\\frac", "\\cdot").
+NOT_PROSE = re.compile(r"https?://\S+|www\.\S+|\S+@\S+|<[^<>\s]+>|\\[A-Za-z]+")
 COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
 
 
-def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict, start: int) -> None:
-    for offset, run in enumerate(runs):
+@lru_cache(maxsize=200_000)
+def word_class(word: str) -> str:
+    """"noun", "adj" or "break", from the English lexicon of lemminflect (no model, no download).
+
+    A topical phrase is a noun phrase: words that can only be verbs, adverbs or auxiliaries ("gives",
+    "causing", "instead") end it, as stopwords do. Words outside the lexicon are names, jargon or
+    identifiers ("tesla", "stderr"): nouns.
+    """
+    import lemminflect
+
+    if word in STOPWORDS or len(word) < 2:
+        return "break"
+    pos = lemminflect.getAllLemmas(word)
+    if not pos or "NOUN" in pos or "PROPN" in pos:
+        return "noun"
+    return "adj" if "ADJ" in pos else "break"
+
+
+@lru_cache(maxsize=200_000)
+def in_lexicon(word: str) -> bool:
+    """Whether lemminflect's English lexicon knows the word (names, jargon, typos and code fragments: no)."""
+    import lemminflect
+
+    return bool(lemminflect.getAllLemmas(word))
+
+
+@lru_cache(maxsize=200_000)
+def singular(word: str) -> str:
+    """The noun's singular ("integers" -> "integer", "matrices" -> "matrix"); "data", "news", "physics" stay."""
+    import lemminflect
+
+    if not word.endswith("s"):
+        return word
+    lemmas = lemminflect.getAllLemmas(word).get("NOUN")
+    return lemmas[0] if lemmas else word
+
+
+def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> None:
+    """1-3 word noun phrases inside each run: no phrase ends on an adjective or repeats a word, and its
+    head (last word) is put in the singular, so "prime numbers" and "prime number" are one tag."""
+    for position, run in enumerate(runs):
         for n in (1, 2, 3):
             for i in range(len(run) - n + 1):
-                phrase = " ".join(run[i : i + n])
-                if n == 1 and len(phrase) < 3:
+                words = run[i : i + n]
+                if word_class(words[-1]) != "noun" or len(set(words)) < n or (n == 1 and len(words[0]) < 3):
                     continue
+                if any(singular(w) != w for w in words[:-1]):  # "numbers reach": a plural ends its noun phrase
+                    continue
+                phrase = " ".join(words[:-1] + [singular(words[-1])])
                 counts[phrase] += 1
-                first.setdefault(phrase, start + offset)
+                first.setdefault(phrase, position)
 
 
 def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
-    """Maximal runs of consecutive non-stopwords."""
+    """Maximal runs of consecutive words that can be part of a noun phrase."""
     runs, run = [], []
     for word in words:
-        if word not in stop and len(word) > 1:
+        if word not in stop and word_class(word) != "break":
             run.append(word)
         elif run:
             runs.append(run)
@@ -83,24 +140,26 @@ def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
     return runs + ([run] if run else [])
 
 
+def _words(clause: str) -> list[str]:
+    return [w.lower().removesuffix("'s") for w in WORD.findall(clause)]
+
+
 def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:
-    """1-3 word phrases made of consecutive non-stopwords, pre-ranked by count, length and first position.
+    """Noun phrases of 1-3 words within a clause, pre-ranked by count, length and first position.
 
     For code, phrases come from comments and docstrings (as prose) and from identifiers split into
     words (``binary_search``, ``binarySearch`` -> "binary search"), never across two identifiers.
     """
     counts: Counter[str] = Counter()
     first: dict[str, int] = {}
+    prose = [NOT_PROSE.sub(" ", part) for part in (COMMENT_OR_DOCSTRING.findall(text) if code else [text])]
+    runs = [run for part in prose for clause in CLAUSE_BREAK.split(part) for run in _runs(_words(clause), STOPWORDS)]
     if code:
-        comments = COMMENT_OR_DOCSTRING.findall(text)
-        runs = [run for c in comments for run in _runs([w.lower() for w in WORD.findall(c)], STOPWORDS)]
         stop = STOPWORDS | CODE_STOPWORDS
         identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
                        for name in IDENTIFIER.findall(text)]
         runs += [run for parts in identifiers for run in _runs(parts, stop)]
-        _phrases_of_runs(runs, counts, first, 0)
-    else:
-        _phrases_of_runs(_runs([w.lower() for w in WORD.findall(text)], STOPWORDS), counts, first, 0)
+    _phrases_of_runs(runs, counts, first)
     ranked = sorted(counts, key=lambda p: (-counts[p] * (1 + 0.5 * p.count(" ")), first[p], p))
     return ranked[:limit]
 
@@ -120,6 +179,14 @@ def mmr(doc: np.ndarray, candidates: np.ndarray, k: int, diversity: float = MMR_
     return chosen
 
 
+def clear_candidates(values: list[str], scores: np.ndarray, k: int) -> list[str]:
+    """Up to k list entries that clearly stand out for this chunk (see CANDIDATE_MIN_Z); often none."""
+    spread = scores.std() or 1.0
+    z = (scores - scores.mean()) / spread
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [values[i] for i in order if scores[i] >= CANDIDATE_MIN_SIMILARITY and z[i] >= CANDIDATE_MIN_Z]
+
+
 def proxy_score(cosine: float) -> int:
     """Cosine similarity -> the judge's 1-5 scale (bins checked by eye on MiniLM; a proxy, not a judge)."""
     return 1 + int(np.searchsorted([0.15, 0.25, 0.35, 0.5], cosine, side="right"))
@@ -134,7 +201,8 @@ class OfflineEngine(LLMEngine):
 
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
-                "max_candidates": MAX_CANDIDATES, "version": 2}
+                "max_candidates": MAX_CANDIDATES,
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 5}
 
     def setup(self) -> None:
         self.embedder.setup()
@@ -185,8 +253,7 @@ class OfflineEngine(LLMEngine):
             offline = spec["x-atlas-offline"]
             if offline["method"] == "candidates":
                 values = request.context["candidates"][offline["list"]]
-                scores = np.array([vectors[v] for v in values]) @ doc
-                answer[field] = [values[i] for i in np.argsort(-scores, kind="stable")[: offline["k"]]]
+                answer[field] = clear_candidates(values, np.array([vectors[v] for v in values]) @ doc, offline["k"])
         return {field: answer[field] for field in properties}
 
     def _judge(self, requests: list[LLMRequest]) -> dict[str, dict]:

@@ -1,4 +1,4 @@
-"""The concept annotator (paper 4.2.3): model, positive-unlabeled losses, decision rule, save and load.
+"""The concept annotator (paper 4.2.3): model, positive-unlabeled losses, calibration, decision rule, save and load.
 
 One model labels any chunk with content concepts and with the labels of the auxiliary domains::
 
@@ -7,13 +7,41 @@ One model labels any chunk with content concepts and with the labels of the auxi
                                                        "name: description" embeddings (kNN-like at step 0)
     trunk            = LayerNorm -> Linear -> ReLU -> Dropout -> Linear (projection)
     <aux> logits     = Linear(trunk(z))                one head per auxiliary domain
+    probability      = sigmoid(a_domain * logit + b_domain)      Platt calibration, one (a, b) per domain
 
 Training data is positive-unlabeled: a concept a chunk did not inherit may still apply. The loss
 (``annotator_loss``) is masked BCE on the positives plus the non-negative PU risk of Kiryo et
 al. (2017) for every concept, with a class prior per concept (``pu_priors``).
 
+**Calibration.** BCE on positives + nnPU ranks labels well but its raw sigmoid is not a probability:
+held-out scores saturate near 1 (the positives' BCE pushes logits up without bound, and the PU
+priors are an assumption). After training, each label domain gets a Platt map (Platt 1999)
+``p = sigmoid(a * logit + b)``, fit on the held-out (chunk, label) pairs to the event "the chunk
+carries this label as a known positive" (``fit_platt``). Why Platt, per domain:
+
+- it is strictly monotone (``a > 0`` is enforced), so within a domain the ranking of labels, and
+  with it recall@k and PR-AUC, is exactly that of the logits; isotonic regression would create ties
+  (a step function), which changes both, and needs a table instead of two numbers;
+- the failure it corrects is one of scale and offset (over-confident, saturated logits), which is
+  what ``a`` and ``b`` express; two parameters per domain cannot overfit even an auxiliary domain
+  with a few dozen held-out positives, where a per-label or isotonic map would;
+- it is stored as two floats per domain in ``config.json`` (nothing pickled) and costs nothing to apply.
+
+The fit is a weighted logistic regression by Newton's method with Platt's smoothed targets
+((N+ + 1) / (N+ + 2) for positives, 1 / (N- + 2) for the others), which keeps ``a`` finite when the
+held-out pairs are separable. When a domain has more than ``MAX_CALIBRATION_PAIRS`` pairs, the
+fit takes its positives (up to half the budget) and a uniform sample of the other pairs, each
+sample weighted by the inverse of its sampling rate, so the fitted probabilities stay calibrated
+for the full population (importance weighting), not for the balanced sample. The probability is that
+of a *known* positive, a lower bound: an unlabeled pair may be right (under the stated label
+frequency f the true rate would be about p / f).
+
+**Decision rule** (``decide``): per domain, the labels whose calibrated probability reaches the
+domain's threshold, best first, at most ``cap`` of them; the cap is only a safety limit, so a chunk
+gets as many labels as pass the threshold. The thresholds are chosen by the ``train_annotator`` stage.
+
 Saved as ``model.safetensors`` (heads; plus ``encoder/`` when fine-tuned) and ``config.json``
-(encoder, dims, label space, thresholds and caps). Nothing is pickled.
+(encoder, dims, label space, thresholds, caps and calibration per domain). Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -114,46 +142,125 @@ def annotator_loss(logits: dict[str, torch.Tensor], targets: dict[str, torch.Ten
     return total, parts
 
 
+# --- calibration -------------------------------------------------------------------------------
+
+MAX_CALIBRATION_PAIRS = 2_000_000  # (chunk, label) pairs a Platt fit uses at most (the rest: a weighted sample)
+MIN_SLOPE = 1e-3  # a > 0 keeps the map strictly increasing: a domain's ranking never changes
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
+def _positive_flat_indices(truth, shape: tuple[int, int]) -> np.ndarray:
+    """Sorted flat indices (row * n_labels + col) of the known positives of a dense or CSR ``truth``."""
+    if hasattr(truth, "tocoo"):
+        coo = truth.tocoo()
+        keep = coo.data != 0
+        flat = coo.row[keep].astype(np.int64) * shape[1] + coo.col[keep].astype(np.int64)
+        return np.unique(flat)
+    return np.flatnonzero(np.asarray(truth).reshape(shape) != 0).astype(np.int64)
+
+
+def _newton_logistic(x: np.ndarray, t: np.ndarray, w: np.ndarray, a: float, b: float,
+                     fit_slope: bool = True) -> tuple[float, float]:
+    """Weighted logistic regression of soft targets ``t`` on ``a * x + b`` (Newton with backtracking; convex)."""
+
+    def loss(a_: float, b_: float) -> float:
+        s = a_ * x + b_
+        return float(w @ (t * _softplus(-s) + (1 - t) * _softplus(s)))
+
+    current = loss(a, b)
+    for _ in range(100):
+        p = _sigmoid(a * x + b)
+        r, h = w * (p - t), w * p * (1 - p)
+        if fit_slope:
+            gradient = np.array([r @ x, r.sum()])
+            hessian = np.array([[h @ (x * x), h @ x], [h @ x, h.sum()]]) + 1e-12 * np.eye(2)
+            step = np.linalg.solve(hessian, gradient)
+        else:
+            step = np.array([0.0, r.sum() / max(h.sum(), 1e-300)])
+        scale = 1.0
+        while scale > 1e-10:
+            a_new, b_new = a - scale * step[0], b - scale * step[1]
+            new = loss(a_new, b_new)
+            if new <= current:
+                break
+            scale /= 2
+        else:
+            break
+        converged = current - new <= 1e-13 * max(abs(current), 1.0) and abs(scale * step).max() < 1e-9
+        a, b, current = a_new, b_new, new
+        if converged:
+            break
+    return float(a), float(b)
+
+
+def fit_platt(logits: np.ndarray, truth, max_pairs: int = MAX_CALIBRATION_PAIRS, seed: int = 0) -> dict:
+    """Platt scaling of one domain: (a, b) so that sigmoid(a * logit + b) is the probability of a known positive.
+
+    ``logits`` [N, L]; ``truth`` [N, L] (dense or sparse) marks the known positives. Every pair is used when
+    there are at most ``max_pairs``; otherwise the positives (up to half the budget) and a uniform sample of
+    all pairs (of which the negatives are kept), each weighted by its inverse sampling rate. Returns
+    {"method": "platt", "a", "b", "fit_pairs", "pairs", "known_positives"}; ``a`` is at least ``MIN_SLOPE``.
+    """
+    z = np.asarray(logits, dtype=np.float32)
+    n = z.size
+    if n == 0:
+        return {"method": "platt", "a": 1.0, "b": 0.0, "fit_pairs": 0, "pairs": 0, "known_positives": 0}
+    positives = _positive_flat_indices(truth, z.shape)
+    n_pos, n_neg = len(positives), n - len(positives)
+    flat = z.ravel()
+    if n <= max_pairs:
+        x = flat.astype(np.float64)
+        y = np.zeros(n, dtype=bool)
+        y[positives] = True
+        w = np.ones(n)
+    else:
+        rng = np.random.default_rng(seed)
+        pos = positives
+        if n_pos > max_pairs // 2:
+            pos = np.sort(rng.choice(positives, max_pairs // 2, replace=False))
+        draw = np.sort(rng.choice(n, max_pairs - len(pos), replace=False))
+        neg = draw[~np.isin(draw, positives, assume_unique=True)]
+        x = np.concatenate([flat[pos], flat[neg]]).astype(np.float64)
+        y = np.concatenate([np.ones(len(pos), dtype=bool), np.zeros(len(neg), dtype=bool)])
+        w = np.concatenate([np.full(len(pos), n_pos / max(len(pos), 1)), np.full(len(neg), n_neg / max(len(neg), 1))])
+    t = np.where(y, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))  # Platt's targets: no infinite slope
+    prior = (n_pos + 1) / (n + 2)
+    a, b = _newton_logistic(x, t, w, 0.0, float(np.log(prior / (1 - prior))))
+    if a < MIN_SLOPE:  # no (or an inverted) signal: keep the ranking, fit the level only
+        a, b = _newton_logistic(x, t, w, MIN_SLOPE, b, fit_slope=False)
+    return {"method": "platt", "a": a, "b": b, "fit_pairs": int(len(x)), "pairs": int(n), "known_positives": n_pos}
+
+
+def calibrate(logits, calibration: dict) -> np.ndarray:
+    """Calibrated probabilities (float32) of one domain: sigmoid(a * logit + b), computed in float64."""
+    z = torch.as_tensor(logits).to(torch.float64)
+    return torch.sigmoid(calibration["a"] * z + calibration["b"]).to(torch.float32).numpy()
+
+
+def valid_calibration(calibration) -> bool:
+    """Whether a domain's stored calibration is one this Atlas applies: {"method": "platt", "a" > 0, "b"}."""
+    return (isinstance(calibration, dict) and calibration.get("method") == "platt"
+            and all(isinstance(calibration.get(k), (int, float)) and not isinstance(calibration.get(k), bool)
+                    and np.isfinite(calibration[k]) for k in ("a", "b")) and calibration["a"] > 0)
+
+
 # --- decision rule -----------------------------------------------------------------------------
 
 
 def decide(probs: np.ndarray, threshold: float, cap: int) -> list[list[tuple[int, float]]]:
-    """Per row, the labels with probability >= threshold, highest first, at most ``cap`` of them."""
+    """Per row, the labels with probability >= threshold, highest first, at most ``cap`` of them (a safety limit)."""
     if probs.shape[1] == 0:
         return [[] for _ in range(len(probs))]
     k = min(cap, probs.shape[1])
     top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
     return [[(int(j), float(row[j])) for j in order if row[j] >= threshold] for row, order in zip(probs, top)]
-
-
-def choose_rule(probs: np.ndarray, targets: np.ndarray, max_cap: int) -> dict:
-    """The (threshold, cap) that maximizes recall^2 / P(predicted positive) on held-out data.
-
-    Lee & Liu (2003): for PU data this criterion is proportional to precision * recall on the true
-    labels, so it can be optimized without any negatives. Thresholds: a grid of probabilities;
-    caps: 1, 2, 3, 5, 8, 10, 15, 20, ... up to ``max_cap``.
-    """
-    caps = sorted({c for c in (1, 2, 3, 5, 8, 10, 15, 20, 30, 50) if c <= max_cap} | {max_cap})
-    thresholds = np.round(np.arange(0.05, 0.96, 0.05), 2)
-    n_pos = targets.sum()
-    best = {"threshold": 0.5, "cap": caps[0], "criterion": -1.0}
-    if n_pos == 0 or probs.size == 0:
-        return best
-    order = np.argsort(-probs, axis=1, kind="stable")
-    ranked_probs = np.take_along_axis(probs, order, axis=1)
-    ranked_hits = np.take_along_axis(targets, order, axis=1)
-    for cap in caps:
-        p, h = ranked_probs[:, :cap], ranked_hits[:, :cap]
-        for t in thresholds:
-            kept = p >= t
-            predicted = kept.sum()
-            if predicted == 0:
-                continue
-            recall = (h * kept).sum() / n_pos
-            criterion = recall**2 / (predicted / probs.size)
-            if criterion > best["criterion"] + 1e-12:
-                best = {"threshold": float(t), "cap": int(cap), "criterion": float(criterion)}
-    return best
 
 
 # --- save, load, predict -----------------------------------------------------------------------
@@ -167,7 +274,8 @@ class AnnotatorSpec:
     dim: int
     hidden: int
     dropout: float
-    domains: dict[str, dict]  # domain -> {"offset", "size", "threshold", "cap"}; "content" first
+    # domain -> {"offset", "size", "threshold", "cap", "calibration": {"method": "platt", "a", "b"}}; "content" first
+    domains: dict[str, dict]
     library_sha256: str = ""
     format: int = ANNOTATOR_FORMAT
 
@@ -194,8 +302,9 @@ def save_annotator(folder: Path, heads: AnnotatorHeads, spec: AnnotatorSpec, enc
 class Annotator:
     """A trained annotator, loaded from its folder. Cheap to construct; weights load in ``setup``.
 
-    ``annotate(texts)`` -> per text, per domain, [(global concept id, probability)], decided by the
-    per-domain threshold and cap chosen on the held-out split.
+    ``probabilities(embeddings)`` -> per domain, calibrated probabilities (the Platt map of each domain,
+    fit on the held-out split). ``annotate(texts)`` -> per text, per domain, [(global concept id,
+    probability)], decided by the per-domain threshold and safety cap.
     """
 
     def __init__(self, folder: str | Path, device: str | None = None, batch_size: int = 64):
@@ -218,6 +327,11 @@ class Annotator:
                 isinstance(v, dict) and {"offset", "size", "threshold", "cap"} <= v.keys() for v in domains.values()):
             raise ArtifactError(f"{config_path}: 'domains' must map 'content' and each auxiliary domain to its "
                                 f"offset, size, threshold and cap; {RETRAIN}")
+        uncalibrated = sorted(d for d, v in domains.items() if not valid_calibration(v.get("calibration")))
+        if uncalibrated:
+            raise ArtifactError(f"{config_path}: no calibration for domain(s) {', '.join(uncalibrated)} (an annotator "
+                                f"trained before its probabilities were calibrated: each domain needs 'calibration' "
+                                f"{{'method': 'platt', 'a' > 0, 'b'}}); {RETRAIN}")
         # config.json stores keys sorted; labels are listed domain by domain in id order (content first)
         self.spec.domains = dict(sorted(domains.items(), key=lambda kv: kv[1]["offset"]))
         self.device, self.batch_size = device, batch_size
@@ -281,12 +395,18 @@ class Annotator:
                                 f"the one in {self.folder / 'config.json'}): the file was changed or replaced; "
                                 f"restore it, or {RETRAIN}")
 
-    def probabilities(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
-        """Per domain, [N, n_domain] probabilities from pooled L2-normalized embeddings."""
-        self.setup()
+    def logits(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
+        """Per domain, [N, n_domain] raw head logits (uncalibrated) from pooled L2-normalized embeddings."""
+        if self.heads is None:
+            self.heads = self.load_heads()
         with torch.no_grad():
             logits = self.heads(torch.as_tensor(np.asarray(embeddings, dtype=np.float32)))
-        return {d: torch.sigmoid(z).numpy() for d, z in logits.items()}
+        return {d: z.numpy() for d, z in logits.items()}
+
+    def probabilities(self, embeddings: np.ndarray) -> dict[str, np.ndarray]:
+        """Per domain, [N, n_domain] calibrated probabilities (float32) from pooled L2-normalized embeddings:
+        the probability that the chunk carries the label as a known positive."""
+        return {d: calibrate(z, self.spec.domains[d]["calibration"]) for d, z in self.logits(embeddings).items()}
 
     def decide(self, probs: dict[str, np.ndarray]) -> list[dict[str, list[tuple[int, float]]]]:
         """Per row, per domain: [(global id, probability)] after the domain's threshold and cap."""

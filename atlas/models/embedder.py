@@ -71,6 +71,10 @@ class Embedder:
         self.model = None
 
     def setup(self) -> Embedder:
+        if threads := os.environ.get("ATLAS_TORCH_THREADS"):  # set by the runner: cores / shards at once
+            import torch
+
+            torch.set_num_threads(int(threads))
         if self.model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,13 +1,20 @@
-"""Names and descriptions of concepts (paper 4.2.2): from an LLM, or offline from the evidence tags.
+"""Names and descriptions of concepts (paper 4.2.2): from an LLM, or offline from the evidence.
 
-The LLM labeler sees a cluster's most frequent tags with their counts and answers ``{"name", "description"}``
-under a JSON schema (``prompts/label_cluster.yaml``). Offline, the name is the cluster's medoid tag (the one
-closest, weighted by frequency, to the other representative tags). ``make_unique`` keeps names distinct.
+The LLM labeler sees a cluster's most frequent tags with their counts and a few representative chunks (the
+paper's label prompt shows both), and answers ``{"name", "description"}`` under a JSON schema
+(``prompts/label_cluster.yaml``).
+
+Offline, the name is the cluster's most representative *and* distinctive tag: close to the centroid of the
+cluster's frequent tags, far from the nearest other cluster, and used often (``name_scores``); tags that
+cannot be names (a stopword, a number, a repeated word) are never chosen. The description says what the
+cluster's chunks share, in their own words: the other evidence tags and a sentence of a representative chunk.
+``make_unique`` keeps names distinct.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -20,29 +27,69 @@ ANSWER_SCHEMA = {
     "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 60},
                    "description": {"type": "string", "minLength": 10, "maxLength": 300}},
 }
+EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
+SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
+# Words that never make a name on their own (the tagger's stopwords cover the rest).
+NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
 
 
-def offline_label(tags: list[str], counts: np.ndarray, vectors: np.ndarray) -> tuple[str, str]:
-    """Medoid tag as the name; a description sentence from the other evidence tags."""
-    weights = counts / counts.sum()
-    centrality = (vectors @ vectors.T) @ weights
-    name = tags[int(np.argmax(centrality))]
-    others = [t for t in tags if t != name][:3]
-    description = f"Text about {name}" + (f", with tags such as {', '.join(others)}." if others else ".")
-    return name, description
+def valid_name(tag: str) -> bool:
+    """A usable concept name: has a word of 3+ letters, no repeated word, not a number or a stopword."""
+    words = tag.split()
+    return (bool(words) and tag not in NOT_A_NAME and len(set(words)) == len(words)
+            and any(len(w) >= 3 and w.isalpha() for w in words) and not re.fullmatch(r"[\d\s.,%$-]+", tag))
+
+
+def name_scores(vectors: np.ndarray, counts: np.ndarray, other_centroids: np.ndarray) -> np.ndarray:
+    """Per tag of one cluster: representative (cosine to the count-weighted centroid) + distinctive (margin over
+    the nearest other cluster's centroid) + a little frequency. Vectors are L2-normalized."""
+    centroid = (counts[:, None] * vectors).sum(axis=0)
+    centroid /= np.linalg.norm(centroid) or 1.0
+    representative = vectors @ centroid
+    nearest_other = (vectors @ other_centroids.T).max(axis=1) if len(other_centroids) else np.zeros(len(vectors))
+    return representative + (representative - nearest_other) + 0.05 * np.log1p(counts)
+
+
+def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other_centroids: np.ndarray) -> str:
+    scores = name_scores(vectors, counts.astype(float), other_centroids)
+    order = np.argsort(-scores, kind="stable")
+    return next((tags[i] for i in order if valid_name(tags[i])), tags[int(order[0])])
+
+
+def example_sentence(text: str, words: list[str], limit: int = 200) -> str:
+    """The sentence of ``text`` that holds the most of ``words`` (the concept's tags), trimmed to ``limit``."""
+    sentences = [s.strip() for s in SENTENCE.findall(" ".join(text.split())) if len(s.strip()) > 20] or [text.strip()]
+    lowered = [s.lower() for s in sentences]
+    best = max(range(len(sentences)), key=lambda i: (sum(w in lowered[i] for w in words), -i))
+    sentence = sentences[best]
+    return sentence if len(sentence) <= limit else sentence[: limit - 1].rsplit(" ", 1)[0] + "…"
+
+
+def offline_description(name: str, evidence: list[str], example: str | None) -> str:
+    """What the cluster's chunks share: its other evidence tags and a representative sentence."""
+    others = [t for t in evidence if t != name and t not in name][:5]
+    parts = [f"{name[0].upper()}{name[1:]}" + (f": {', '.join(others)}." if others else ".")]
+    if example:
+        parts.append(f'As in "{example}".')
+    return " ".join(parts)
 
 
 def label_prompt():
-    return load_prompt(PROJECT_ROOT / "prompts" / "label_cluster.yaml", {"system": set(), "user": {"tags"}})
+    return load_prompt(PROJECT_ROOT / "prompts" / "label_cluster.yaml",
+                       {"system": set(), "user": {"tags", "examples"}})
 
 
-def llm_labels(engine: LLMEngine, evidence: list[list[tuple[str, int]]]) -> list[tuple[str, str] | None]:
-    """(name, description) per evidence list from the LLM (an engine that is set up), or None where the answer
-    is unusable."""
+def llm_labels(engine: LLMEngine, evidence: list[list[tuple[str, int]]],
+               examples: list[list[str]] | None = None) -> list[tuple[str, str] | None]:
+    """(name, description) per evidence list (and representative chunk texts) from the LLM (an engine that is
+    set up), or None where the answer is unusable."""
     prompt = label_prompt()
+    examples = examples or [[] for _ in evidence]
     requests = [LLMRequest(key=str(i), system=prompt.templates["system"], schema=ANSWER_SCHEMA, schema_name="label",
-                           user=prompt.render("user", tags="\n".join(f"- {t} ({n})" for t, n in items)))
-                for i, items in enumerate(evidence)]
+                           user=prompt.render("user", tags="\n".join(f"- {t} ({n})" for t, n in items),
+                                              examples="\n".join(f"[{j + 1}] {' '.join(text.split())[:EXAMPLE_CHARS]}"
+                                                                 for j, text in enumerate(texts)) or "(none)"))
+                for i, (items, texts) in enumerate(zip(evidence, examples))]
     answers = []
     for result in engine.generate(requests):
         try:
@@ -51,7 +98,8 @@ def llm_labels(engine: LLMEngine, evidence: list[list[tuple[str, int]]]) -> list
         except (ValueError, KeyError, TypeError):
             answers.append(None)
             continue
-        answers.append((name, description) if 1 <= len(name.split()) <= 6 and description else None)
+        answers.append((name, description) if 1 <= len(name.split()) <= 6 and valid_name(name) and description
+                       else None)
     return answers
 
 

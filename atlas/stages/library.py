@@ -3,9 +3,10 @@
 Dedup: each concept is embedded as "name: description"; edges join the ``library.dedup_m`` nearest
 concepts with cosine >= tau; Louvain communities (python-louvain, seeded) are merged into one
 concept. At each tau (0.95, 0.90, 0.85) the concepts are re-embedded and the pass repeated (at
-most 3 times) until a pass merges no more than ``library.dedup_min_merged`` of them. A merged concept keeps the name
-and description of its most used member (offline) or gets new ones from the LLM labeler, and
-records every cluster it came from (``merged_from``).
+most 3 times) until a pass merges no more than ``library.dedup_min_merged`` of them. Then concepts
+whose names alone have cosine > ``library.name_merge_tau`` (0.9: "http" and "https") are merged the
+same way. A merged concept keeps the name and description of its most used member (offline) or gets
+new ones from the LLM labeler, and records every cluster it came from (``merged_from``).
 
 The labels of the auxiliary domains (``library.aux_domains``: tone, demographic, alignment; finite
 lists in ``schemas/aux/``) follow the content concepts in the same id space: ``config.json`` holds
@@ -42,7 +43,7 @@ from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
-LIBRARY_VERSION = 1
+LIBRARY_VERSION = 2
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
 
@@ -83,7 +84,8 @@ class LibraryStage(Stage):
     def identity(self) -> dict:
         c = self.config.library
         identity = {"version": LIBRARY_VERSION, "seed": c.seed, "taus": c.dedup_taus, "m": c.dedup_m,
-                    "min_merged": c.dedup_min_merged, "lift_min_support": c.lift_min_support,
+                    "min_merged": c.dedup_min_merged, "name_merge_tau": c.name_merge_tau,
+                    "lift_min_support": c.lift_min_support,
                     "embedding_model": self.config.vocab.embedding_model,
                     "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in self._aux_domains()}}
         if self.config.llm.engine == "offline":
@@ -108,6 +110,7 @@ class LibraryStage(Stage):
                      "evidence": list(r["evidence_tags"]), "merged_from": [r["cluster_id"]]} for r in labels]
         stats = Stats({"concepts_labeled": len(concepts)})
         passes = self._dedup(concepts, run, stats)
+        passes += self._merge_names(concepts, run, stats)
 
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
         vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
@@ -181,11 +184,31 @@ class LibraryStage(Stage):
                     break
         return passes
 
-    def _merge_once(self, concepts: list[dict], tau: float, run: RunDir) -> list[dict]:
+    def _merge_names(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
+        """Concepts whose names alone are near-synonyms ("http" and "https") are one concept, whatever their
+        descriptions say: merged while two names have cosine > ``library.name_merge_tau`` (at most 3 passes)."""
+        tau, passes = self.config.library.name_merge_tau, []
+        for _ in range(MAX_PASSES_PER_TAU):
+            if len(concepts) < 2:
+                break
+            vectors = self._embed([x["name"] for x in concepts], run)
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            similarity = vectors @ vectors.T
+            np.fill_diagonal(similarity, -1)
+            if similarity.max() <= tau:
+                break
+            before = len(concepts)
+            concepts[:] = self._merge_once(concepts, np.nextafter(tau, 1), run, names_only=True)
+            passes.append({"tau": tau, "names_only": True, "concepts_before": before, "concepts_after": len(concepts)})
+            stats.inc("name_merged", before - len(concepts))
+        return passes
+
+    def _merge_once(self, concepts: list[dict], tau: float, run: RunDir, names_only: bool = False) -> list[dict]:
         from atlas.models.louvain import merge_pass  # faiss and networkx load only when a library is built
 
         c = self.config.library
-        vectors = self._embed([f"{x['name']}: {x['description']}" for x in concepts], run)
+        vectors = self._embed([x["name"] if names_only else f"{x['name']}: {x['description']}" for x in concepts],
+                              run)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         groups: dict[int, list[dict]] = {}
         for concept, community in zip(concepts, merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed).tolist()):

@@ -8,18 +8,33 @@ Reads ``targets/`` (reservoir, split, positives) and the library, and trains ``a
 
 Batches are drawn with rarity weights (a chunk's weight is the mean over its content concepts of
 count^-``rarity_power``), the loss is BCE on positives + the non-negative PU risk with a prior
-per label (``annotator.label_frequency``). Then, on the held-out split, each domain gets its
-decision rule (threshold and cap, ``atlas.models.annotator.choose_rule``) and the model is measured next to
-two baselines that need no training: kNN over concept embeddings (cosine of the chunk with each
-concept's "name: description") and kNN over training chunks (similarity-weighted vote of the 20
-nearest). Metrics are PU-aware: recall@k and PR-AUC on held-out positives; precision is a lower
-bound (an unlabeled prediction may be right).
+per label (``annotator.label_frequency``). Then, on the held-out split:
+
+- **calibration**: each label domain gets a Platt map ``sigmoid(a * logit + b)`` fit on all held-out
+  (chunk, label) pairs to "a known positive" (``atlas.models.annotator.fit_platt``; why Platt: that
+  module's docstring). It is stored in ``config.json`` and ``Annotator.probabilities`` applies it. Its
+  honest ECE is cross-fitted (``atlas.models.pu_metrics.calibration_report``): two halves of the
+  held-out chunks by a seeded permutation, each calibrated by a map fit on the other, the mean of the
+  two ECEs; the stored map is then fit on all held-out chunks;
+- **decision rule**: a label is given when its calibrated probability reaches the domain's threshold:
+  for content concepts the threshold that maximizes F1 of the known positives on held-out pairs
+  (``best_f1_threshold``; about half the best F1 for calibrated probabilities, so it follows how well
+  the domain can be predicted; never below the domain's known-positive rate); for the auxiliary
+  domains ``annotator.aux_min_probability`` (0.5: a tone, demographic or alignment label only when it
+  is more likely than not, so many chunks get none). The cap (``annotator.max_caps``) only bounds the
+  labels per chunk; ``annotator.thresholds`` and ``annotator.caps`` fix either per domain;
+- **metrics**: the model is measured next to two baselines that need no training: kNN over concept
+  embeddings (cosine of the chunk with each concept's "name: description") and kNN over training
+  chunks (similarity-weighted vote of the 20 nearest). Metrics are PU-aware: recall@k and PR-AUC on
+  held-out positives (identical before and after calibration: the map is increasing); precision is a
+  lower bound (an unlabeled prediction may be right); per domain, the cross-fitted ECE before and after
+  calibration with reliability bins, and the labels-per-chunk distribution of the rule.
 
     annotator/model.safetensors, config.json     the model (see atlas.models.annotator); encoder/ when fine-tuned
     annotator/metrics.json                       held-out metrics, baselines, rule, training history
     annotator/calibration.parquet                per label: held-out positives, observed rate, mean probability
     annotator/heldout_predictions.parquet        chunk_id, domain, targets, concepts, concept_scores
-    report/annotator_*.png                       training curve, reliability, relevance histograms
+    report/annotator_*.png                       training curve, reliability (calibrated, cross-fitted), relevance
 """
 
 from __future__ import annotations
@@ -39,12 +54,20 @@ from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.library import load_library
 from atlas.models.embedder import Embedder, encode_cached
-from atlas.models.pu_metrics import calibration_table, ranking_metrics
+from atlas.models.pu_metrics import (
+    best_f1_threshold,
+    calibration_report,
+    calibration_table,
+    labels_per_chunk,
+    median_predicted_score,
+    ranking_metrics,
+)
 
 if TYPE_CHECKING:  # scipy comes with the library extra: imported where it is used
     from scipy import sparse
 
-TRAIN_VERSION = 1
+TRAIN_VERSION = 2  # 2: Platt-calibrated probabilities, threshold rule with a safety cap
+DEFAULT_CAP = 10  # the cap of a domain missing from annotator.max_caps
 KNN_NEIGHBOURS = 20
 PREDICTIONS_SCHEMA = pa.schema(
     [("chunk_id", pa.string()), ("domain", pa.string()), ("targets", pa.list_(pa.int64())),
@@ -127,7 +150,14 @@ class TrainAnnotatorStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         import torch
 
-        from atlas.models.annotator import AnnotatorHeads, AnnotatorSpec, choose_rule, pu_priors, save_annotator
+        from atlas.models.annotator import (
+            AnnotatorHeads,
+            AnnotatorSpec,
+            calibrate,
+            fit_platt,
+            pu_priors,
+            save_annotator,
+        )
 
         a = self.config.annotator
         concepts, library, table, labels = self._load(run)
@@ -162,29 +192,62 @@ class TrainAnnotatorStage(Stage):
 
         heads.eval()
         with torch.no_grad():
-            probs = {d: torch.sigmoid(z).numpy() for d, z in heads(torch.from_numpy(held)).items()}
+            logits = {d: z.numpy() for d, z in heads(torch.from_numpy(held)).items()}
         truth = {d: y[heldout] for d, y in labels.items()}
-        rules = {}
-        for d in offsets:
-            chosen = choose_rule(probs[d], truth[d].toarray(), a.max_caps.get(d, 10))
-            rules[d] = {"threshold": a.thresholds.get(d, chosen["threshold"]), "cap": a.caps.get(d, chosen["cap"]),
-                        "criterion": chosen["criterion"]}
+        calibration = {d: fit_platt(logits[d], truth[d], seed=a.seed) for d in offsets}  # stored: all held-out
+        crossed = {d: calibration_report(logits[d], truth[d], seed=a.seed) for d in offsets}  # reported: cross-fit
+        stored = {d: {k: calibration[d][k] for k in ("method", "a", "b")} for d in offsets}
+        probs = {d: calibrate(logits[d], stored[d]) for d in offsets}  # what Annotator.probabilities gives
+        rules = {d: self._rule(d, probs[d], truth[d]) for d in offsets}
         spec = AnnotatorSpec(
             encoder="encoder" if encoder is not None else a.encoder, dim=int(embeddings.shape[1]), hidden=a.hidden,
             dropout=a.dropout,
             library_sha256=sha256_bytes((run.output_dir(layout.LIBRARY) / "concepts.parquet").read_bytes()),
             domains={d: {"offset": offsets[d], "size": sizes[d], "threshold": rules[d]["threshold"],
-                         "cap": rules[d]["cap"]} for d in offsets},
+                         "cap": rules[d]["cap"], "calibration": stored[d]} for d in offsets},
         )
         folder = run.output_dir(self.output)
         metrics = self._evaluate(run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table,
                                  concepts, stats)
+        for d, m in metrics["domains"].items():
+            self._add_calibration(m, logits[d], truth[d], calibration[d], crossed[d], probs[d])
         metrics |= {"rules": rules, "history": history, "priors_mean": {d: float(p.mean()) for d, p in priors.items()},
                     "mode": a.mode, "encoder": a.encoder, "device": self.device}
         atomic_write_json(folder / "metrics.json", metrics)
         save_annotator(folder, heads, spec, encoder)
         self._plot(run, history, metrics)
         return stats
+
+    def _rule(self, domain: str, probs: np.ndarray, truth) -> dict:
+        """A domain's threshold and safety cap on calibrated held-out probabilities (see the module docstring)."""
+        a = self.config.annotator
+        best = best_f1_threshold(probs, truth)
+        if domain in a.thresholds:
+            threshold, source = a.thresholds[domain], "annotator.thresholds"
+        elif domain == "content":
+            threshold, source = best["threshold"], "max F1 of known positives (held-out)"
+        else:
+            threshold, source = a.aux_min_probability, "annotator.aux_min_probability"
+        return {"threshold": float(threshold), "cap": int(a.caps.get(domain, a.max_caps.get(domain, DEFAULT_CAP))),
+                "criterion": best["f1_lower_bound"], "threshold_from": source, "best_f1": best}
+
+    @staticmethod
+    def _add_calibration(m: dict, logits: np.ndarray, truth, fitted: dict, crossed: dict, probs: np.ndarray) -> None:
+        """Calibration figures of one domain into its metrics: the reliability bins become the cross-fitted ones."""
+        raw = ranking_metrics(logits, truth, bins=None)  # ranking of the logits: calibration must not change it
+        m["ranking_uncalibrated"] = {"recall_at": raw["recall_at"], "pr_auc": raw.get("pr_auc")}
+        m["reliability_in_sample"] = m.get("reliability")
+        if crossed["reliability"] is not None:
+            m["reliability"] = crossed["reliability"]
+        m["calibration"] = {"method": fitted["method"], "a": fitted["a"], "b": fitted["b"],
+                            "fit_pairs": fitted["fit_pairs"], "pairs": fitted["pairs"],
+                            "known_positives": fitted["known_positives"],
+                            "ece": crossed["ece"], "ece_halves": crossed["ece_halves"],
+                            "ece_uncalibrated": crossed["ece_uncalibrated"],
+                            "ece_uncalibrated_halves": crossed["ece_uncalibrated_halves"],
+                            "reliability_uncalibrated": crossed["reliability_uncalibrated"],
+                            "mean_probability": float(np.mean(probs)) if probs.size else None,
+                            "known_positive_rate": fitted["known_positives"] / max(fitted["pairs"], 1)}
 
     # --- training --------------------------------------------------------------------------------
 
@@ -282,6 +345,8 @@ class TrainAnnotatorStage(Stage):
         for d, v in spec.domains.items():
             decided[d] = decide(probs[d], v["threshold"], v["cap"])
             metrics["domains"][d] = ranking_metrics(probs[d], truth[d], decided[d])
+            metrics["domains"][d] |= {"labels_per_chunk": labels_per_chunk(decided[d], v["cap"]),
+                                      "median_predicted_score": median_predicted_score(decided[d])}
         # Baselines for the content domain, on the same held-out chunks (paper: kNN "performs surprisingly well")
         held = embeddings[heldout]
         zero_shot = held @ concept_init.T
@@ -358,10 +423,27 @@ class TrainAnnotatorStage(Stage):
                                                                for h in history],
                        "held-out recall@10": [h["heldout_content_recall_at_10"] for h in history]},
               report / "annotator_training.png", "annotator training (BCE on positives + nnPU)", "epoch", log_x=False)
-        reliability = metrics["domains"]["content"].get("reliability")
-        if reliability and reliability["bin_mean_probability"]:
-            lines(reliability["bin_mean_probability"],
-                  {"observed positive rate (lower bound)": reliability["bin_observed_rate"],
-                   "pairs in bin": reliability["bin_pairs"]},
-                  report / "annotator_reliability.png", "content concepts: reliability on held-out (PU)",
-                  "mean predicted probability", log_x=False)
+        self._plot_reliability(metrics["domains"], report / "annotator_reliability.png")
+
+    @staticmethod
+    def _plot_reliability(domains: dict, path) -> None:
+        """Calibrated (cross-fitted) probability vs observed known-positive rate per domain, with the diagonal;
+        the uncalibrated content curve in grey for comparison."""
+        from atlas.core.plots import reliability
+
+        def label(name: str, ece) -> str:
+            return f"{name} (ECE {ece:.3f})" if ece is not None else name
+
+        curves = {label(d, m["reliability"].get("ece")): (m["reliability"]["bin_mean_probability"],
+                                                          m["reliability"]["bin_observed_rate"])
+                  for d, m in domains.items() if (m.get("reliability") or {}).get("bin_pairs")}
+        calibration = domains.get("content", {}).get("calibration") or {}
+        before = calibration.get("reliability_uncalibrated") or {}
+        if before.get("bin_pairs"):
+            curves = {label("content, uncalibrated", calibration.get("ece_uncalibrated")):
+                      (before["bin_mean_probability"], before["bin_observed_rate"]), **curves}
+        if curves:
+            reliability(curves, path, "annotator reliability on held-out chunks",
+                        "calibrated probability (cross-fitted, mean in bin)",
+                        "observed known-positive rate (lower bound)",
+                        grey={next(iter(curves))} if before.get("bin_pairs") else set())

@@ -6,7 +6,13 @@ Reads every tag shard and writes one row per normalized tag, most frequent first
                                    variants (up to 5 spellings as produced), chunk_ids (the chunks it came from)
     tag_vocab/_embeddings.npy       float16 [n_tags, d], L2-normalized, row i = tag i
 
-Tags seen fewer than ``vocab.min_count`` times are left out and counted. Embeddings are cached in
+Only the tags of the fields whose schema role is in ``vocab.roles`` enter (default: the topic fields,
+so "how it is written" never becomes a content concept). Tags seen fewer than ``vocab.min_count``
+times, generic tags (on more than ``vocab.max_chunk_share`` of the tagged chunks, and more than
+``vocab.generic_min_chunks``: document frequency, the corpus statistic behind IDF and c-TF-IDF),
+and single words outside the English lexicon seen in one chunk only (typos, code fragments, stray
+strings) are left out and counted.
+Embeddings are cached in
 ``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a vocabulary that gained
 tags, only embeds what is new. The vocabulary is embedded in fixed batches of its sorted order and
 a batch is computed whole or taken whole from the cache, so a resumed run gives the same bytes as
@@ -24,9 +30,11 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.tags import VOCAB_SCHEMA, read_tags
+from atlas.llm.answers import field_roles, load_schemas
+from atlas.llm.offline import in_lexicon
 from atlas.models.embedder import Embedder, encode_cached
 
-VOCAB_VERSION = 1
+VOCAB_VERSION = 2
 MAX_VARIANTS = 5
 
 
@@ -43,8 +51,17 @@ class VocabStage(Stage):
         self.embedder = Embedder(self.config.vocab.embedding_model)
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
+        import pyarrow.compute as pc
+
+        v = self.config.vocab
         tags = read_tags(run, ["chunk_id", "field", "tag", "tag_norm"])
         stats = Stats({"tags_in": tags.num_rows})
+        tagged_chunks = len(pc.unique(tags.column("chunk_id")))
+        roles = field_roles(load_schemas(self.config.tag)[0])
+        fields = [f for f in pc.unique(tags.column("field")).to_pylist() if roles.get(f, "topic") in v.roles]
+        kept_rows = tags.filter(pc.is_in(tags.column("field"), pa.array(fields, pa.string())))
+        stats.drop("style_field_tags", tags.num_rows - kept_rows.num_rows)
+        tags = kept_rows
         grouped = tags.group_by("tag_norm").aggregate(
             [("chunk_id", "count"), ("chunk_id", "distinct"), ("field", "distinct"), ("tag", "distinct")]
         )
@@ -55,8 +72,14 @@ class VocabStage(Stage):
             for r in grouped.to_pylist()
         ]
         stats.inc("unique_tags", len(rows))
-        kept = [r for r in rows if r["count"] >= self.config.vocab.min_count]
+        kept = [r for r in rows if r["count"] >= v.min_count]
         stats.drop("below_min_count", len(rows) - len(kept))
+        specific = [r for r in kept if r["n_chunks"] <= max(v.max_chunk_share * tagged_chunks, v.generic_min_chunks)]
+        stats.drop("generic_tags", len(kept) - len(specific))
+        # one word outside the English lexicon, in one chunk: mostly typos, code fragments and stray strings
+        # ("cabracadabrarrarrad", "segt"), which k-means gathers into junk clusters by their subwords
+        kept = [r for r in specific if r["n_chunks"] > 1 or " " in r["tag_norm"] or in_lexicon(r["tag_norm"])]
+        stats.drop("rare_unknown_words", len(specific) - len(kept))
         kept.sort(key=lambda r: (-r["count"], r["tag_norm"]))  # a deterministic order, most frequent first
         stats.inc("tags_out", len(kept))
 

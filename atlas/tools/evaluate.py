@@ -1,52 +1,438 @@
-"""``atlas eval library RUN``: how well the concept library matches labels a corpus already has.
+"""``atlas eval library RUN`` and ``atlas eval annotator RUN``: how well concepts match labels a corpus already has.
 
-Each tagged chunk gets its main concept: the concept that most of its tags map to (ties: the
-smaller concept id). Against a ground-truth label of the chunk's document (a metadata field,
-e.g. the dev corpus' ``label``), we report:
+Both commands read a ground-truth label from the chunks' metadata (``--label-field``, e.g. the dev corpus'
+``label``) and report, **per labelled source** (the chunk column ``data_src``) and at the **document** level
+(:func:`per_source_table`):
+
+- a linear probe (logistic regression, stratified k-fold) on the document's concept vector and on its raw
+  embedding (the mean of its chunks' L2-normalized embeddings, re-normalized): both accuracies, their ratio
+  concept / raw, and the majority baseline;
+- homogeneity, NMI and purity of each document's top concept against its label, and the same for a plain
+  clustering baseline: k-means on the source's chunk embeddings with k = the number of distinct top concepts, each
+  document in the cluster most of its chunks fall in;
+- an overall line: means over the sources, and whether every source's top concepts are at least as homogeneous
+  as k-means.
+
+``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags
+(``chunk_concepts``), normalized to sum 1; its top concept is the most counted (ties: the smaller id). It also
+reports, at the chunk level, for each tagged chunk's main concept (the concept most of its tags map to):
 
 - purity: the share of chunks whose concept's most common label is their own label;
 - NMI: normalized mutual information between main concept and label (scikit-learn);
 - concepts per label: how many distinct main concepts the chunks of one label spread over;
 - relevance of (concept, chunk) pairs, from the LLM judge or its offline proxy (labelled as such),
   scoring "name: description" of every concept a chunk inherits against the chunk.
+
+``eval annotator``: a document's concept vector is the mean over its chunks of the log-odds of the annotator's
+calibrated content probabilities (the probe on the mean probabilities is reported beside it); its top concept is
+the one most over-represented in it (mean probability / the concept's mean over every chunk). Every chunk of the
+corpus counts, not only the held-out ones. The
+held-out chunk-level probes stay as they were (``predicted_concept_probabilities``, ``predicted_concepts_multi_hot``,
+``raw_embeddings``).
+
+Chunk embeddings come from the annotate stage's ``RUN/embeddings.zarr`` when it is complete and made with the
+annotator's encoder; otherwise they are computed with the annotator's encoder (``encode_cached``, or the
+fine-tuned encoder itself).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from atlas.config import AtlasConfig
-from atlas.core.files import atomic_write_json
+from atlas.core.files import ArtifactError, atomic_write_json, read_json, read_parquet
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.library import chunk_concepts, load_library
 
+NO_SOURCE = "(no data_src)"  # the source name of chunks whose data_src is null
+PROBE_BATCH = 4096  # chunks per call of the annotator's heads (bounds the auxiliary domains' probabilities)
+
+
+# --- the per-source, document-level table (no run needed: arrays in, dict out) --------------------------------------
+
+def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_vector: str = "mean",
+                     folds: int = 5, seed: int = 0, kmeans_restarts: int = 3) -> dict:
+    """Per labelled source, document-level probes and homogeneity of top concepts vs a k-means baseline.
+
+    Args (one row per chunk, all aligned):
+        doc_ids: the chunk's document id; chunks of one document are grouped.
+        embeddings: [n_chunks, d] chunk embeddings (any float dtype; rows are L2-normalized here), or a function
+            returning them, called only when some source has labels to evaluate.
+        concepts: [n_chunks, n_concepts] per-chunk concept scores (a numpy array or a scipy sparse matrix), or a
+            function returning them (called likewise).
+        labels: the chunk's label (None: none); a document's label is the first non-null one of its chunks.
+        sources: the chunk's source (``data_src``; None: ``NO_SOURCE``); a document's is its first chunk's.
+        concept_vector: "mean": the document's vector is the mean of its chunks' rows; "share": their sum
+            normalized to sum 1 (concept counts, the library); either way the top concept is the argmax of the sum
+            (ties: the smaller id), and a document whose sum is all zero has no top concept (-1, one group).
+            "probabilities" (the annotator's calibrated probabilities): the vector is the mean of the chunks'
+            log-odds, the additive scale of evidence (a mean of saturating probabilities loses what one chunk
+            says strongly); the top concept is the one most over-represented in the document, the largest
+            mean probability / the concept's mean probability over every chunk (its lift, as c-TF-IDF ranks a
+            topic's words), so a frequent broad concept does not win every document. The probe on the mean
+            probabilities is reported beside it (``concept_probabilities_accuracy``).
+        folds: most folds of the probes' StratifiedKFold (fewer when the rarest kept label has fewer documents).
+        seed: seeds the folds and k-means.
+        kmeans_restarts: k-means runs per source (the one with the lowest objective is kept).
+
+    A source is evaluated when at least 2 distinct labels occur among its documents; labels with fewer than 2
+    documents are then dropped (counted), and the source is skipped if fewer than 2 labels are left. Skipped
+    sources are listed with the reason. Everything else (probes, top concepts, k, k-means) uses the same
+    documents: the labelled documents of the kept labels, and their chunks.
+
+    Returns ``{"documents": n, "per_source": {source: {...}}, "overall": {...}}``.
+    """
+    doc_ids = np.asarray(doc_ids, dtype=str)
+    n_chunks = len(doc_ids)
+    if not len(labels) == len(sources) == n_chunks:
+        raise ValueError(f"doc_ids, labels and sources must align: {n_chunks}, {len(labels)}, {len(sources)} rows")
+    docs, inverse = np.unique(doc_ids, return_inverse=True)
+    inverse = inverse.ravel()
+    doc_label: list[str | None] = [None] * len(docs)
+    doc_source: list[str | None] = [None] * len(docs)
+    for doc, label, source in zip(inverse.tolist(), labels, sources):
+        if doc_source[doc] is None:
+            doc_source[doc] = NO_SOURCE if source is None else str(source)
+        if doc_label[doc] is None and label is not None:
+            doc_label[doc] = str(label)
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for doc, source in enumerate(doc_source):
+        by_source[source].append(doc)
+
+    table: dict[str, dict] = {}
+    plans = {}
+    for source in sorted(by_source):
+        members = by_source[source]
+        labelled = [d for d in members if doc_label[d] is not None]
+        counts = Counter(doc_label[d] for d in labelled)
+        entry = {"docs": len(members), "docs_with_label": len(labelled)}
+        kept = {label for label, n in counts.items() if n >= 2}
+        if not counts:
+            entry["skipped"] = "no document has a label"
+        elif len(counts) < 2:
+            entry["skipped"] = f"only 1 distinct label among its {len(labelled):,} labelled documents"
+        elif len(kept) < 2:
+            entry["skipped"] = (f"{len(kept)} label(s) with at least 2 documents ({len(counts) - len(kept)} of "
+                                f"{len(counts)} labels have a single document); the probes need 2")
+        else:
+            plans[source] = [d for d in labelled if doc_label[d] in kept]
+            entry |= {"labels": len(kept), "labels_dropped": len(counts) - len(kept),
+                      "docs_dropped": len(labelled) - len(plans[source])}
+        table[source] = entry
+
+    if plans:
+        embeddings = embeddings() if callable(embeddings) else embeddings
+        concepts = concepts() if callable(concepts) else concepts
+        if embeddings.shape[0] != n_chunks or concepts.shape[0] != n_chunks:
+            raise ValueError(f"embeddings ({embeddings.shape[0]} rows) and concepts ({concepts.shape[0]} rows) must "
+                             f"have one row per chunk ({n_chunks})")
+        # One thread: the work per source is small, and FAISS' OpenMP threads spinning between calls slow every
+        # BLAS call of the probes that follow them (30-60x on 2 busy cores, measured); one thread runs the dev
+        # corpus' 4,000 documents in seconds. The libraries are loaded first: a limit covers only those loaded.
+        import faiss  # noqa: F401
+        import sklearn.linear_model  # noqa: F401
+        from threadpoolctl import threadpool_limits
+
+        prior = None
+        if concept_vector == "probabilities":  # every chunk's mean probability per concept: the lift's denominator
+            prior = np.maximum(np.asarray(concepts.mean(axis=0), dtype=np.float64).ravel(), 1e-9)
+        with threadpool_limits(limits=1):
+            for source, evaluated in plans.items():
+                truth = np.asarray([doc_label[d] for d in evaluated])
+                table[source] |= _evaluate_source(np.asarray(evaluated), truth, inverse, len(docs), embeddings,
+                                                  concepts, concept_vector, folds, seed, kmeans_restarts, prior)
+    return {"documents": len(docs), "per_source": table, "overall": _overall(table)}
+
+
+def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarray, n_docs: int, embeddings,
+                     concepts, concept_vector: str, folds: int, seed: int, restarts: int, prior=None) -> dict:
+    from scipy import sparse
+
+    local = np.full(n_docs, -1, dtype=np.int64)
+    local[evaluated] = np.arange(len(evaluated))
+    rows = np.flatnonzero(local[inverse] >= 0)  # the chunks of the evaluated documents
+    chunk_doc = local[inverse[rows]]
+    n = len(evaluated)
+    member = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (chunk_doc, np.arange(len(rows)))),
+                               shape=(n, len(rows)))
+    summed = member @ concepts[rows]
+    summed = np.asarray(summed.toarray() if sparse.issparse(summed) else summed, dtype=np.float32)
+    scores = summed / prior if concept_vector == "probabilities" else summed  # lift: see per_source_table
+    top = scores.argmax(axis=1) if summed.shape[1] else np.zeros(n, dtype=np.int64)
+    if summed.shape[1]:
+        top[summed.max(axis=1) <= 0] = -1
+    else:
+        top[:] = -1
+    features = {}
+    if concept_vector in ("mean", "probabilities"):
+        vectors = summed / np.bincount(chunk_doc, minlength=n)[:, None]
+    elif concept_vector == "share":
+        total = summed.sum(axis=1, keepdims=True)
+        vectors = np.divide(summed, total, out=np.zeros_like(summed), where=total > 0)
+    else:
+        raise ValueError(f"concept_vector must be 'mean', 'share' or 'probabilities', not {concept_vector!r}")
+    if concept_vector == "probabilities":
+        p = np.clip(np.asarray(concepts[rows], dtype=np.float64), 1e-6, 1 - 1e-6)
+        features["concept_probabilities"] = vectors
+        log_odds = np.asarray(member @ np.log(p / (1 - p)), dtype=np.float32)
+        vectors = log_odds / np.bincount(chunk_doc, minlength=n)[:, None]
+    chunk_vectors = _unit_rows(embeddings[rows])
+    raw = _unit_rows(member @ chunk_vectors)
+
+    probe = _probes(truth, {"concept": vectors, "raw": raw} | features, folds, seed)
+    k = len(np.unique(top))
+    clusters = _kmeans_clusters(chunk_vectors, k, seed, restarts)
+    votes = np.zeros((n, k), dtype=np.int32)
+    np.add.at(votes, (chunk_doc, clusters), 1)
+    baseline = votes.argmax(axis=1)  # the cluster most of the document's chunks are in (ties: the smaller id)
+    ours, theirs = _partition_scores(truth, top, seed), _partition_scores(truth, baseline, seed)
+    return {"docs_evaluated": n, "chunks": len(rows), "majority_baseline": probe.pop("majority_baseline"),
+            "probe": probe,
+            "top_concept": {"docs_without_concepts": int((top < 0).sum())} | ours,
+            "kmeans": {"k": k} | theirs,
+            "homogeneity_ratio": _ratio(ours["homogeneity"], theirs["homogeneity"])}
+
+
+def _unit_rows(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return float(a / b) if b > 0 else None
+
+
+def _probes(truth: np.ndarray, features: dict[str, np.ndarray], folds: int, seed: int) -> dict:
+    """Cross-validated accuracy of a logistic regression on each feature set (the same folds for all)."""
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    counts = Counter(truth.tolist())
+    cv = StratifiedKFold(n_splits=max(2, min(folds, min(counts.values()))), shuffle=True, random_state=seed)
+    splits = list(cv.split(np.zeros(len(truth)), truth))
+    out: dict = {"folds": cv.n_splits, "majority_baseline": counts.most_common(1)[0][1] / len(truth)}
+    for name, x in features.items():
+        used = np.flatnonzero(np.abs(x).sum(axis=0) > 0)  # columns that are 0 for every document say nothing
+        x = x[:, used] if len(used) else np.zeros((len(truth), 1), dtype=np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            # standardized features: the probe's regularization then means the same for concept shares (small
+            # values) as for unit embeddings; unscaled, it can hold a share vector's probe near chance
+            model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+            scores = cross_val_score(model, x, truth, cv=splits)
+        out |= {f"{name}_accuracy": float(scores.mean()), f"{name}_std": float(scores.std()),
+                f"{name}_dim": int(len(used))}
+    out["ratio"] = _ratio(out["concept_accuracy"], out["raw_accuracy"])
+    return out
+
+
+def _kmeans_clusters(x: np.ndarray, k: int, seed: int, restarts: int) -> np.ndarray:
+    """Spherical k-means (FAISS, seeded, ``restarts`` runs) of unit rows ``x``: each row's cluster id."""
+    import faiss
+
+    n = len(x)
+    if k <= 1:
+        return np.zeros(n, dtype=np.int64)
+    if k >= n:  # as many clusters as chunks: each its own
+        return np.arange(n, dtype=np.int64)
+    km = faiss.Kmeans(x.shape[1], k, niter=25, nredo=max(1, restarts), seed=seed, spherical=True,
+                      max_points_per_centroid=max(256, n), min_points_per_centroid=1, verbose=False)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    km.train(x)
+    _, ids = km.index.search(x, 1)
+    return ids[:, 0].astype(np.int64)
+
+
+def _partition_scores(truth: np.ndarray, groups: np.ndarray, seed: int, shuffles: int = 5) -> dict:
+    """Homogeneity, NMI, purity of a partition of the documents (``groups``) against their labels, and the
+    chance-corrected views: AMI, and the homogeneity the same groups get with the labels shuffled (mean of
+    ``shuffles`` seeded permutations). Many small groups are homogeneous by chance; ``groups`` counts them."""
+    from sklearn.metrics import adjusted_mutual_info_score, homogeneity_score, normalized_mutual_info_score
+
+    by_group: dict[int, Counter] = defaultdict(Counter)
+    for group, label in zip(groups.tolist(), truth.tolist()):
+        by_group[group][label] += 1
+    rng = np.random.default_rng(seed)
+    chance = [homogeneity_score(labels_true=rng.permutation(truth), labels_pred=groups) for _ in range(shuffles)]
+    return {"groups": len(by_group),
+            "homogeneity": float(homogeneity_score(labels_true=truth, labels_pred=groups)),
+            "homogeneity_shuffled": float(np.mean(chance)),
+            "nmi": float(normalized_mutual_info_score(truth, groups)),
+            "ami": float(adjusted_mutual_info_score(truth, groups)),
+            "purity": sum(c.most_common(1)[0][1] for c in by_group.values()) / len(truth)}
+
+
+def _overall(table: dict[str, dict]) -> dict:
+    done = {s: e for s, e in table.items() if "skipped" not in e}
+    ratios = [e["probe"]["ratio"] for e in done.values() if e["probe"]["ratio"] is not None]
+
+    def mean(values):
+        return float(np.mean(values)) if values else None
+
+    return {"sources_evaluated": sorted(done), "sources_skipped": sorted(set(table) - set(done)),
+            "concept_homogeneity_mean": mean([e["top_concept"]["homogeneity"] for e in done.values()]),
+            "kmeans_homogeneity_mean": mean([e["kmeans"]["homogeneity"] for e in done.values()]),
+            "concept_ami_mean": mean([e["top_concept"]["ami"] for e in done.values()]),
+            "kmeans_ami_mean": mean([e["kmeans"]["ami"] for e in done.values()]),
+            "probe_ratio_mean": mean(ratios),
+            # no evaluated source: nothing was shown to be at least the baseline
+            "all_sources_at_least_baseline": bool(done) and all(
+                e["top_concept"]["homogeneity"] >= e["kmeans"]["homogeneity"] for e in done.values()),
+            # the same with chance corrected for: k-means' documents often fall in fewer groups than k, and fewer,
+            # larger groups are less homogeneous by chance alone
+            "all_sources_at_least_baseline_ami": bool(done) and all(
+                e["top_concept"]["ami"] >= e["kmeans"]["ami"] for e in done.values())}
+
+
+def format_per_source(summary: dict) -> list[str]:
+    """The per-source table of a summary as printable lines (no braces: the JSON printed after it is found by
+    its first brace)."""
+    table = summary.get("per_source")
+    if not table or not any(e.get("docs_with_label") for e in table.values()):
+        return []  # no document has a label: a table of skips says nothing the "no label" message doesn't
+
+    def num(value, width, digits=3):
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+    segments = [("", [("source", -16), ("docs", 6), ("labels", 6)]),
+                ("probe accuracy", [("concept", 7), ("raw", 6), ("ratio", 6)]),
+                ("homogeneity", [("k", 5), ("concept", 7), ("k-means", 7), ("ratio", 6)]),
+                ("NMI", [("concept", 7), ("k-means", 7)]),
+                ("AMI", [("concept", 7), ("k-means", 7)])]
+    heads = [" ".join(f"{n:<{-w}}" if w < 0 else f"{n:>{w}}" for n, w in cells) for _, cells in segments]
+    head = " | ".join(heads)
+    titles = " | ".join(f"{title:^{len(h)}}" for (title, _), h in zip(segments, heads)).rstrip()
+    lines = [f"per labelled source, by document ({summary.get('label_field', 'label')!r} label; "
+             f"embeddings: {summary.get('embeddings', '-')}; AMI: mutual information corrected for chance):",
+             titles, head, "-" * len(head)]
+    for source, e in table.items():
+        name = source if len(source) <= 16 else source[:15] + "~"
+        if "skipped" in e:
+            lines.append(f"{name:<16} {e['docs']:>6} {'-':>6} | skipped: {e['skipped']}")
+            continue
+        p, t, km = e["probe"], e["top_concept"], e["kmeans"]
+        lines.append(f"{name:<16} {e['docs_evaluated']:>6} {e['labels']:>6} | {num(p['concept_accuracy'], 7)} "
+                     f"{num(p['raw_accuracy'], 6)} {num(p['ratio'], 6, 2)} | {km['k']:>5} "
+                     f"{num(t['homogeneity'], 7)} {num(km['homogeneity'], 7)} {num(e['homogeneity_ratio'], 6, 2)} | "
+                     f"{num(t['nmi'], 7)} {num(km['nmi'], 7)} | {num(t['ami'], 7)} {num(km['ami'], 7)}")
+    o = summary["overall"]
+    if o["sources_evaluated"]:
+        lines.append(f"overall ({len(o['sources_evaluated'])} sources): homogeneity concept "
+                     f"{num(o['concept_homogeneity_mean'], 0)} vs k-means {num(o['kmeans_homogeneity_mean'], 0)}; "
+                     f"AMI {num(o['concept_ami_mean'], 0)} vs {num(o['kmeans_ami_mean'], 0)}; "
+                     f"probe ratio concept/raw {num(o['probe_ratio_mean'], 0, 2)}; every source at least k-means "
+                     f"(homogeneity): {'yes' if o['all_sources_at_least_baseline'] else 'no'}")
+    else:
+        lines.append("overall: no source has 2 or more labels with 2 or more documents each; nothing evaluated")
+    return lines
+
+
+# --- reading a run ---------------------------------------------------------------------------------------------------
+
+def _all_chunks(run: RunDir, columns: tuple[str, ...]) -> dict[str, list]:
+    """``columns`` of every chunk (plus chunk_id), as lists, in part order."""
+    out: dict[str, list] = {c: [] for c in ("chunk_id", *columns)}
+    for part in run.parts(layout.CHUNKS):
+        table = read_parquet(part, list(out)).to_pydict()
+        for c in out:
+            out[c].extend(table[c])
+    return out
+
+
+def _chunk_labels(metadata: list[str | None], label_field: str) -> tuple[list, Counter]:
+    """Each chunk's label (None: none) and how many chunks have each metadata field."""
+    labels, fields = [], Counter()
+    for text in metadata:
+        m = json.loads(text or "{}")
+        fields.update(m.keys())
+        value = m.get(label_field)
+        labels.append(None if value is None else str(value))
+    return labels, fields
+
+
+def _load_annotator(run: RunDir, required: bool):
+    from atlas.models.annotator import Annotator
+
+    try:
+        return Annotator(run.output_dir(layout.ANNOTATOR)).setup()
+    except (FileNotFoundError, ArtifactError):
+        if required:
+            raise
+        return None
+
+
+def _chunk_embeddings(config: AtlasConfig, run: RunDir, chunk_ids: list[str], texts: Callable[[], list[str]],
+                      annotator) -> tuple[np.ndarray, str]:
+    """[n, d] embeddings of ``chunk_ids`` (float16 or float32) and where they came from: the annotate stage's
+    store when it is complete, covers every chunk and was made with the annotator's encoder; otherwise encoded
+    (through the run's embedding cache unless the encoder is the annotator's fine-tuned one)."""
+    from atlas.models.embedder import Embedder, encode_cached
+
+    encoder = annotator.spec.encoder if annotator is not None else config.annotator.encoder
+    stored = _stored_embeddings(run, chunk_ids, encoder)
+    if stored is not None:
+        return stored, f"{layout.EMBEDDINGS} (annotate stage, {encoder})"
+    if annotator is not None and annotator.spec.encoder == "encoder":  # fine-tuned: never a shared name's cache
+        return annotator.embedder.encode(texts()), "encoded with the annotator's fine-tuned encoder"
+    embedder = annotator.embedder if annotator is not None else Embedder(encoder)
+    vectors, _ = encode_cached(embedder, texts(), run.root / layout.CACHE / "embeddings",
+                               config.annotator.embed_batch_size)
+    return vectors, f"encoded with {encoder}"
+
+
+def _stored_embeddings(run: RunDir, chunk_ids: list[str], encoder: str) -> np.ndarray | None:
+    from atlas.io.embedding_store import open_embeddings
+
+    success = run.success_path(layout.ANNOTATED)
+    if not success.exists() or not (run.root / layout.EMBEDDINGS / "zarr.json").exists():
+        return None
+    try:
+        group = open_embeddings(run.root)
+    except (FileNotFoundError, RuntimeError, ValueError):
+        return None
+    if (group.attrs.get("encoder") != encoder
+            or group.attrs.get("stage_hash") != read_json(success).get("stage_hash")):
+        return None  # another encoder, or an unfinished rerun of the annotate stage
+    position = {c: i for i, c in enumerate(group["chunk_id"][:].tolist())}
+    rows = [position.get(c) for c in chunk_ids]
+    if any(r is None for r in rows):
+        return None
+    return np.asarray(group["embeddings"][:])[np.asarray(rows, dtype=np.int64)]
+
+
+# --- the commands ----------------------------------------------------------------------------------------------------
 
 def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: int = 200, seed: int = 0) -> dict:
+    from scipy import sparse
     from sklearn.metrics import normalized_mutual_info_score
 
-    from atlas.io.chunks import read_chunks
     from atlas.models.judge import judge_pairs
 
     run = RunDir(config.run_dir)
-    concepts = {r["concept_id"]: r for r in load_library(run)[0]}
+    rows, library_config = load_library(run)
+    concepts = {r["concept_id"]: r for r in rows}
     assigned = chunk_concepts(run)
-    labels, texts, fields = {}, {}, Counter()
-    for chunk_id, row in read_chunks(run, assigned, ("chunk_text", "metadata")).items():
-        texts[chunk_id] = row["chunk_text"]
-        metadata = json.loads(row["metadata"] or "{}")
-        fields.update(metadata.keys())
-        value = metadata.get(label_field)
-        if value is not None:
-            labels[chunk_id] = str(value)
+    chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
+    chunk_labels, fields = _chunk_labels(chunks["metadata"], label_field)
+    labels = {c: v for c, v in zip(chunks["chunk_id"], chunk_labels) if v is not None}
+    texts = {c: t for c, t in zip(chunks["chunk_id"], chunks["chunk_text"]) if c in assigned}
     labeled = sorted(c for c in assigned if c in labels)
     summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned), "label_field": label_field}
     if not labeled:  # no purity, NMI or counts that read as results: say why there are none
-        summary["label_metrics"] = no_labels(label_field, fields)
+        summary["label_metrics"] = (no_labels(label_field, fields) if not labels else
+                                    f"not computed: none of the {len(labels):,} chunks with a {label_field!r} label "
+                                    f"has a content concept ({len(assigned):,} chunks have one)")
     else:
         summary["chunks_with_label"] = len(labeled)
         main = [assigned[c][0] for c in labeled]
@@ -64,6 +450,31 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
             "concepts_per_label_mean": float(np.mean([len(v) for v in per_label.values()])),
             "concepts_per_label_median": float(np.median([len(v) for v in per_label.values()])),
         }
+
+    offset = library_config.get("domain_offsets", {}).get("content", 0)
+    size = library_config.get("domain_sizes", {}).get("content", len(rows) - offset)
+
+    def concept_counts():
+        """[n_chunks, n_content] sparse: 1 where the chunk inherits the content concept."""
+        r, c = [], []
+        for i, chunk_id in enumerate(chunks["chunk_id"]):
+            for concept in assigned.get(chunk_id, ()):
+                if offset <= concept < offset + size:
+                    r.append(i)
+                    c.append(concept - offset)
+        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), size))
+
+    where = {}
+
+    def embeddings():
+        vectors, where["embeddings"] = _chunk_embeddings(config, run, chunks["chunk_id"], lambda: chunks["chunk_text"],
+                                                         _load_annotator(run, required=False))
+        return vectors
+
+    table = per_source_table(chunks["doc_id"], embeddings, concept_counts, chunk_labels, chunks["data_src"],
+                             concept_vector="share", seed=seed)
+    summary |= where | table
+
     rng = np.random.default_rng(seed)
     chosen = (sorted(rng.choice(sorted(assigned), min(sample, len(assigned)), replace=False).tolist())
               if assigned else [])
@@ -82,59 +493,89 @@ def no_labels(label_field: str, fields: Counter) -> str:
 
 
 def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: int = 5) -> dict:
-    """Linear probes on the held-out chunks: how well a known label (e.g. the dev corpus' ``label``)
-    can be read off (a) the annotator's predicted concept vectors, (b) the same vectors after the
-    decision rule (multi-hot), (c) the raw encoder embeddings. Logistic regression, cross-validated
-    with folds grouped by document (chunks of one document never sit on both sides)."""
+    """Linear probes: how well a known label (e.g. the dev corpus' ``label``) can be read off the annotator.
+
+    Per labelled source, by document, over every chunk of the corpus: see :func:`per_source_table`
+    (``per_source``, ``overall``). On the held-out chunks, as before: (a) the annotator's predicted concept
+    vectors, (b) the same vectors after the decision rule (multi-hot), (c) the raw encoder embeddings; logistic
+    regression, cross-validated with folds grouped by document (chunks of one document never sit on both sides).
+    """
     from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import GroupKFold, cross_val_score
-
-    from atlas.io.chunks import read_chunks
-    from atlas.models.annotator import Annotator
-    from atlas.models.embedder import encode_cached
+    from threadpoolctl import threadpool_limits
 
     run = RunDir(config.run_dir)
     predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet").to_pylist()
-    rows = read_chunks(run, {p["chunk_id"] for p in predictions}, ("chunk_text", "metadata", "doc_id"))
-    metadata = {p["chunk_id"]: json.loads(rows[p["chunk_id"]]["metadata"] or "{}") for p in predictions}
-    kept = [p for p in predictions if metadata[p["chunk_id"]].get(label_field) is not None]
+    chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
+    chunk_labels, fields = _chunk_labels(chunks["metadata"], label_field)
+    row_of = {c: i for i, c in enumerate(chunks["chunk_id"])}
+    missing = [p["chunk_id"] for p in predictions if p["chunk_id"] not in row_of]
+    if missing:
+        raise ArtifactError(f"{run.output_dir(layout.ANNOTATOR) / 'heldout_predictions.parquet'}: held-out chunk "
+                            f"{missing[0]!r} ({len(missing)} in all) is not in {run.output_dir(layout.CHUNKS)}; "
+                            "retrain the annotator (atlas run CONFIG --force --stages targets,train_annotator)")
+    kept = [p for p in predictions if chunk_labels[row_of[p["chunk_id"]]] is not None]
     summary: dict = {"label_field": label_field, "heldout_chunks": len(predictions)}
     path = run.root / layout.REPORT / "annotator_probe.json"
-    if not kept:
-        summary["label_metrics"] = no_labels(label_field, Counter(k for m in metadata.values() for k in m))
+    if not any(label is not None for label in chunk_labels):
+        summary["label_metrics"] = no_labels(label_field, fields)
+        summary |= per_source_table(chunks["doc_id"], None, None, chunk_labels, chunks["data_src"])  # all skipped
         atomic_write_json(path, summary)
         return summary
+
+    annotator = _load_annotator(run, required=True)
+    content = annotator.spec.domains["content"]
+    cache: dict = {}
+
+    def embeddings():
+        if "vectors" not in cache:
+            cache["vectors"], summary["embeddings"] = _chunk_embeddings(
+                config, run, chunks["chunk_id"], lambda: chunks["chunk_text"], annotator)
+        return cache["vectors"]
+
+    def probabilities():
+        """[n_chunks, n_content] content probabilities, a block of chunks at a time."""
+        if "probs" not in cache:
+            vectors = embeddings()
+            cache["probs"] = np.concatenate(
+                [annotator.probabilities(vectors[i:i + PROBE_BATCH])["content"].astype(np.float32)
+                 for i in range(0, len(vectors), PROBE_BATCH)]
+                or [np.zeros((0, content["size"]), dtype=np.float32)])
+        return cache["probs"]
+
+    # held-out chunks, chunk level (as before)
     summary["chunks_with_label"] = len(kept)
-    if len(kept) < 2 * folds:
+    if not kept:
+        summary["heldout_label_metrics"] = f"not computed: no held-out chunk has a {label_field!r} label"
+    elif len(kept) < 2 * folds:
         summary["error"] = (f"too few held-out chunks with a {label_field!r} label ({len(kept)}; the probes need "
                             f"{2 * folds})")
-        atomic_write_json(path, summary)
-        return summary
-    labels = [str(json.loads(rows[p["chunk_id"]]["metadata"])[label_field]) for p in kept]
-    groups = [rows[p["chunk_id"]]["doc_id"] for p in kept]
-    annotator = Annotator(run.output_dir(layout.ANNOTATOR)).setup()
-    texts = [rows[p["chunk_id"]]["chunk_text"] for p in kept]
-    if annotator.spec.encoder == "encoder":  # fine-tuned: its own weights, never the cache of a shared name
-        embeddings = annotator.embedder.encode(texts)
     else:
-        embeddings, _ = encode_cached(annotator.embedder, texts, run.root / layout.CACHE / "embeddings",
-                                      config.annotator.embed_batch_size)
-    embeddings = embeddings.astype(np.float32)
-    probs = annotator.probabilities(embeddings)
-    content = annotator.spec.domains["content"]
-    multi_hot = np.zeros((len(kept), content["size"]), dtype=np.float32)
-    for i, p in enumerate(kept):
-        for g in p["concepts"]:
-            if content["offset"] <= g < content["offset"] + content["size"]:
-                multi_hot[i, g - content["offset"]] = 1
-    probe = LogisticRegression(max_iter=3000)
-    cv = GroupKFold(n_splits=min(folds, len(set(groups))))
-    majority = Counter(labels).most_common(1)[0][1] / len(labels)
-    summary |= {"labels": len(set(labels)), "majority_baseline": majority, "folds": cv.n_splits}
-    for name, features in (("predicted_concept_probabilities", probs["content"]),
-                           ("predicted_concepts_multi_hot", multi_hot),
-                           ("raw_embeddings", embeddings)):
-        scores = cross_val_score(probe, features, labels, groups=groups, cv=cv)
-        summary[name] = {"dim": int(features.shape[1]), "accuracy": float(scores.mean()), "std": float(scores.std())}
+        rows = np.asarray([row_of[p["chunk_id"]] for p in kept], dtype=np.int64)
+        labels = [chunk_labels[r] for r in rows]
+        groups = [chunks["doc_id"][r] for r in rows]
+        multi_hot = np.zeros((len(kept), content["size"]), dtype=np.float32)
+        for i, p in enumerate(kept):
+            for g in p["concepts"]:
+                if content["offset"] <= g < content["offset"] + content["size"]:
+                    multi_hot[i, g - content["offset"]] = 1
+        probe = LogisticRegression(max_iter=3000)
+        cv = GroupKFold(n_splits=min(folds, len(set(groups))))
+        majority = Counter(labels).most_common(1)[0][1] / len(labels)
+        summary |= {"labels": len(set(labels)), "majority_baseline": majority, "folds": cv.n_splits}
+        features = {"predicted_concept_probabilities": probabilities()[rows],
+                    "predicted_concepts_multi_hot": multi_hot,
+                    "raw_embeddings": embeddings()[rows].astype(np.float32)}
+        with threadpool_limits(limits=1):  # small fits; spinning OpenMP threads of torch slow many threads down
+            for name, x in features.items():
+                if not x.shape[1]:
+                    summary[name] = {"dim": 0, "accuracy": None, "std": None, "skipped": "no content concepts"}
+                    continue
+                scores = cross_val_score(probe, x, labels, groups=groups, cv=cv)
+                summary[name] = {"dim": int(x.shape[1]), "accuracy": float(scores.mean()), "std": float(scores.std())}
+
+    # every chunk, per source, by document
+    summary |= per_source_table(chunks["doc_id"], embeddings, probabilities, chunk_labels, chunks["data_src"],
+                                concept_vector="probabilities", folds=folds)
     atomic_write_json(path, summary)
     return summary

@@ -1,0 +1,196 @@
+"""atlas.tools.evaluate: the per-source, document-level table (synthetic arrays) and both evals on a trained run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from scipy import sparse
+
+from atlas.cli import main
+from atlas.tools.evaluate import format_per_source, per_source_table
+
+
+def synthetic(n_docs=120, n_labels=4, dim=16, source="news", seed=0, chunks_per_doc=(1, 4), separated=False):
+    """Chunks of ``n_docs`` documents with labels 0..n_labels-1 in turn; embeddings are noise, or (``separated``)
+    tight clusters around one direction per label."""
+    rng = np.random.default_rng(seed)
+    doc_ids, labels = [], []
+    for d in range(n_docs):
+        for _ in range(rng.integers(*chunks_per_doc)):
+            doc_ids.append(f"{source}:{d:04d}")
+            labels.append(f"label-{d % n_labels}")
+    embeddings = rng.normal(size=(len(doc_ids), dim)).astype(np.float32)
+    if separated:
+        centers = np.eye(dim, dtype=np.float32)[:n_labels] * 10
+        embeddings = 0.1 * embeddings + centers[[int(label.split("-")[1]) for label in labels]]
+    return doc_ids, embeddings, labels, [source] * len(doc_ids)
+
+
+def one_hot(labels, n_concepts):
+    concepts = np.zeros((len(labels), n_concepts), dtype=np.float32)
+    concepts[np.arange(len(labels)), [int(label.split("-")[1]) for label in labels]] = 1
+    return concepts
+
+
+def test_concepts_equal_to_the_labels_are_perfectly_homogeneous():
+    doc_ids, embeddings, labels, sources = synthetic()
+    result = per_source_table(doc_ids, embeddings, one_hot(labels, 10), labels, sources)
+    e = result["per_source"]["news"]
+    assert result["documents"] == 120 and e["docs"] == e["docs_evaluated"] == 120 and e["labels"] == 4
+    assert e["top_concept"]["homogeneity"] == pytest.approx(1.0) and e["top_concept"]["nmi"] == pytest.approx(1.0)
+    assert e["top_concept"]["purity"] == 1.0 and e["top_concept"]["groups"] == 4
+    assert e["top_concept"]["ami"] == pytest.approx(1.0) and e["top_concept"]["homogeneity_shuffled"] < 0.2
+    assert e["probe"]["concept_accuracy"] == 1.0 and e["probe"]["ratio"] >= 1
+    assert e["majority_baseline"] == pytest.approx(0.25) and e["probe"]["folds"] == 5
+    assert e["kmeans"]["k"] == 4 and e["kmeans"]["homogeneity"] < 0.5  # noise embeddings: k-means finds no labels
+    assert e["homogeneity_ratio"] > 1
+    overall = result["overall"]
+    assert overall["sources_evaluated"] == ["news"] and overall["all_sources_at_least_baseline"] is True
+    assert overall["concept_homogeneity_mean"] == pytest.approx(1.0) and overall["probe_ratio_mean"] >= 1
+
+
+def test_annotator_probabilities_top_concept_is_the_most_over_represented():
+    """A broad concept (0.6 on every chunk) loses the top to the document's own concept (0.3 where it applies,
+    0.01 elsewhere): lift, not the raw probability, picks the top; the probe reads the mean log-odds."""
+    doc_ids, embeddings, labels, sources = synthetic()
+    own = one_hot(labels, 4)
+    probabilities = np.column_stack([0.01 + 0.29 * own, np.full(len(labels), 0.6, dtype=np.float32)])
+    e = per_source_table(doc_ids, embeddings, probabilities, labels, sources,
+                         concept_vector="probabilities")["per_source"]["news"]
+    assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0)
+    assert e["probe"]["concept_accuracy"] == 1.0 and e["probe"]["concept_probabilities_accuracy"] == 1.0
+    mean = per_source_table(doc_ids, embeddings, probabilities, labels, sources)["per_source"]["news"]
+    assert mean["top_concept"]["groups"] == 1  # by the raw mean, the broad concept tops every document
+
+
+def test_noise_concepts_probe_worse_than_informative_embeddings():
+    doc_ids, embeddings, labels, sources = synthetic(separated=True)
+    noise = np.random.default_rng(1).random((len(doc_ids), 50)).astype(np.float32)
+    result = per_source_table(doc_ids, embeddings, noise, labels, sources)
+    e = result["per_source"]["news"]
+    assert e["probe"]["raw_accuracy"] == 1.0 and e["probe"]["concept_accuracy"] < 0.6 and e["probe"]["ratio"] < 0.6
+    assert e["kmeans"]["homogeneity"] > e["top_concept"]["homogeneity"]  # the clusters are the labels; noise isn't
+    assert e["kmeans"]["ami"] > 0.3 and abs(e["top_concept"]["ami"]) < 0.1  # k ~ 50 groups: AMI stays below 1
+    overall = result["overall"]
+    assert overall["all_sources_at_least_baseline"] is False and overall["all_sources_at_least_baseline_ami"] is False
+
+
+def test_kmeans_has_as_many_clusters_as_distinct_top_concepts():
+    doc_ids, embeddings, labels, sources = synthetic(n_docs=60, chunks_per_doc=(1, 2))  # one chunk per document
+    docs = sorted(set(doc_ids))
+    concepts = np.zeros((len(doc_ids), 20), dtype=np.float32)
+    for row, doc in enumerate(doc_ids):
+        concepts[row, docs.index(doc) % 7 + 3] = 1  # top concepts 3..9: 7 distinct
+    e = per_source_table(doc_ids, embeddings, concepts, labels, sources)["per_source"]["news"]
+    assert e["top_concept"]["groups"] == e["kmeans"]["k"] == 7
+
+
+def test_library_counts_share_ties_and_documents_without_concepts():
+    # a: chunks with concepts {5, 2} and {5} -> top 5; b: {4, 1}, a tie -> 1 (the smaller id); c: none -> no top
+    # concept (its own group); d..g: 0; h: 1. Tie to 1: 4 distinct tops (5, 1, none, 0); to 4 it would be 5.
+    doc_ids = ["a", "a", "b", "c", "d", "e", "f", "g", "h"]
+    labels = ["x", "x", "y", "y", "x", "y", "x", "y", "x"]
+    rows, cols = [0, 0, 1, 2, 2, 4, 5, 6, 7, 8], [5, 2, 5, 4, 1, 0, 0, 0, 0, 1]
+    concepts = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, cols)), shape=(9, 6))
+    embeddings = np.random.default_rng(0).normal(size=(9, 8))
+    e = per_source_table(doc_ids, embeddings, concepts, labels, ["s"] * 9, concept_vector="share")["per_source"]["s"]
+    assert e["top_concept"]["groups"] == e["kmeans"]["k"] == 4 and e["top_concept"]["docs_without_concepts"] == 1
+    assert e["probe"]["concept_dim"] == 5  # concepts 0, 1, 2, 4, 5: the columns some document has
+    assert e["probe"]["folds"] == 4 and e["docs_evaluated"] == 8 and e["chunks"] == 9
+
+
+def test_sources_without_enough_labels_are_skipped_with_the_reason():
+    doc_ids, embeddings, labels, sources = synthetic(n_docs=40)
+    n = len(doc_ids)
+    extra = {"gsm8k": ([f"g:{i}" for i in range(6)], [None] * 6),
+             "single": ([f"s:{i}" for i in range(6)], ["only"] * 6),
+             "unique": ([f"u:{i}" for i in range(6)], [f"u{i}" for i in range(6)]),
+             "mixed": ([f"m:{i}" for i in range(7)], ["p", "p", "p", "q", "q", "rare", None])}
+    for source, (ids, values) in extra.items():
+        doc_ids, labels, sources = doc_ids + ids, labels + values, sources + [source] * len(ids)
+    embeddings = np.random.default_rng(0).normal(size=(len(doc_ids), 16))
+    concepts = np.random.default_rng(1).random((len(doc_ids), 8))
+    table = per_source_table(doc_ids, embeddings, concepts, labels, sources)["per_source"]
+    assert table["gsm8k"] == {"docs": 6, "docs_with_label": 0, "skipped": "no document has a label"}
+    assert table["single"]["skipped"] == "only 1 distinct label among its 6 labelled documents"
+    assert table["unique"]["skipped"].startswith("0 label(s) with at least 2 documents (6 of 6 labels have a single")
+    mixed = table["mixed"]
+    assert "skipped" not in mixed and mixed["labels"] == 2 and mixed["labels_dropped"] == 1
+    assert mixed["docs"] == 7 and mixed["docs_with_label"] == 6 and mixed["docs_dropped"] == 1
+    assert mixed["docs_evaluated"] == 5 and mixed["probe"]["folds"] == 2
+    assert table["news"]["docs_evaluated"] == 40
+
+    calls = []
+
+    def never():
+        calls.append(1)
+        raise AssertionError("no source to evaluate: embeddings are not needed")
+
+    result = per_source_table(doc_ids[n:], never, never, [None] * (len(doc_ids) - n), sources[n:])
+    overall = result["overall"]
+    assert not calls and overall["sources_evaluated"] == [] and len(overall["sources_skipped"]) == 4
+    assert overall["all_sources_at_least_baseline"] is False and overall["concept_homogeneity_mean"] is None
+
+
+def test_table_lines_have_one_row_per_source_and_no_braces():
+    doc_ids, embeddings, labels, sources = synthetic()
+    doc_ids, labels, sources = doc_ids + ["g:1"], labels + [None], sources + ["gsm8k"]
+    embeddings = np.vstack([embeddings, np.ones((1, embeddings.shape[1]), dtype=np.float32)])
+    result = per_source_table(doc_ids, embeddings, one_hot(labels[:-1] + ["label-0"], 4), labels, sources)
+    lines = format_per_source({"label_field": "label", "embeddings": "test"} | result)
+    text = "\n".join(lines)
+    assert "{" not in text and "}" not in text
+    assert any(line.startswith("news ") and " 120 " in line for line in lines)
+    assert any(line.startswith("gsm8k ") and "skipped: no document has a label" in line for line in lines)
+    assert lines[-1].startswith("overall (1 sources): homogeneity concept 1.000 vs k-means")
+    unlabelled = per_source_table(doc_ids, embeddings, embeddings, [None] * len(doc_ids), sources)
+    assert format_per_source(unlabelled) == []  # the "no label" message says it all
+
+
+def test_arrays_must_align():
+    with pytest.raises(ValueError, match="must align"):
+        per_source_table(["a", "b"], np.zeros((2, 2)), np.zeros((2, 2)), ["x"], ["s", "s"])
+
+
+# --- both evals on the small trained run of conftest (slow: it loads the embedding model) ----------------------------
+
+@pytest.mark.slow
+def test_evals_report_per_source_on_a_trained_run(run_copy, capsys):
+    """The trained run's documents are labelled by their source; merged into one source, that source has three
+    labels, and both evals report it; with a field no chunk has, every source is skipped."""
+    root = run_copy
+    for part in sorted((root / "chunks").glob("part-*.parquet")):
+        table = pq.read_table(part)
+        i = table.schema.get_field_index("data_src")
+        table = table.set_column(i, table.schema.field(i), pa.array(["merged"] * len(table), pa.string()))
+        pq.write_table(table, part)
+
+    capsys.readouterr()
+    assert main(["eval", "library", str(root), "--sample", "3"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((root / "report" / "library_eval.json").read_text())
+    e = summary["per_source"]["merged"]
+    assert e["labels"] == 3 and e["docs_evaluated"] == 30 and e["kmeans"]["k"] == e["top_concept"]["groups"] >= 1
+    for part in ("top_concept", "kmeans"):
+        assert 0 <= e[part]["homogeneity"] <= 1 and 0 <= e[part]["nmi"] <= 1 and 0 < e[part]["purity"] <= 1
+    assert 0 <= e["probe"]["concept_accuracy"] <= 1 and 0 < e["probe"]["raw_accuracy"] <= 1
+    assert summary["overall"]["sources_evaluated"] == ["merged"] and summary["chunks_with_concepts"] >= 0
+    assert out.index("merged ") < out.index("{") and '"per_source"' not in out[out.index("{"):]
+
+    assert main(["eval", "annotator", str(root), "--label-field", "label"]) == 0
+    probe = json.loads((root / "report" / "annotator_probe.json").read_text())
+    e = probe["per_source"]["merged"]
+    assert e["labels"] == 3 and e["docs_evaluated"] == 30 and e["kmeans"]["k"] == e["top_concept"]["groups"]
+    assert 0 <= e["top_concept"]["homogeneity"] <= 1 and 0 <= e["kmeans"]["homogeneity"] <= 1
+    assert 0 <= probe["raw_embeddings"]["accuracy"] <= 1 and probe["embeddings"].startswith("encoded with ")
+
+    capsys.readouterr()
+    assert main(["eval", "annotator", str(root), "--label-field", "topic"]) == 0
+    out = capsys.readouterr().out
+    probe = json.loads(out[out.index("{"):out.rindex("}") + 1])  # no table before it: nothing to show
+    assert probe["label_metrics"].startswith("not computed: no chunk has a 'topic' metadata field")
+    assert probe["per_source"]["merged"]["skipped"] == "no document has a label" and "no label metrics: " in out
