@@ -111,6 +111,13 @@ def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tup
     return labels, similarity
 
 
+def members_of_clusters(labels: np.ndarray) -> dict[int, np.ndarray]:
+    """Cluster id -> the indices of its members (ascending), in one pass: no scan of every label per cluster."""
+    order = np.argsort(labels, kind="stable")
+    ids, starts = np.unique(labels[order], return_index=True)
+    return {int(c): members for c, members in zip(ids, np.split(order, starts[1:]))}
+
+
 def cluster_quality(x: np.ndarray, labels: np.ndarray, sample: int = 10000, seed: int = 0) -> dict:
     """Silhouette (cosine) and Davies-Bouldin scores of a clustering, on a random sample of at most ``sample`` points.
 

@@ -49,6 +49,7 @@ from atlas.io.tags import load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
 from atlas.models.embedder import Embedder, encode_cached
+from atlas.models.kmeans import members_of_clusters
 
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
@@ -141,18 +142,17 @@ class CoherenceStage(Stage):
         similarity = np.asarray(clusters["similarity"])
         counts = np.asarray(clusters["count"])
         tags = clusters["tag_norm"]
+        members_of = members_of_clusters(labels)
         sets = {}  # (cluster, stratum) -> tag indices
-        for cluster in np.unique(labels).tolist():
-            members = np.flatnonzero(labels == cluster)
+        for cluster, members in members_of.items():
             rng = np.random.default_rng([c.seed, cluster])
             for stratum, indices in strata(members, similarity, c.strata_size, rng).items():
                 sets[(cluster, stratum)] = indices
         scores = self._score(sets, x, tags)
-        cohesion = self._chunk_cohesion(run, labels, tags) if c.min_chunk_cohesion > 0 else {}
+        cohesion = self._chunk_cohesion(run, members_of, tags) if c.min_chunk_cohesion > 0 else {}
 
-        rows, stats = [], Stats({"clusters_in": len(np.unique(labels))})
-        for cluster in np.unique(labels).tolist():
-            members = np.flatnonzero(labels == cluster)
+        rows, stats = [], Stats({"clusters_in": len(members_of)})
+        for cluster, members in members_of.items():
             core, rand, edge = (scores.get((cluster, s)) for s in STRATA)
             if None in (core, rand, edge):
                 kept, reason = False, "judge_failed"
@@ -174,14 +174,14 @@ class CoherenceStage(Stage):
         self._plot(run, rows)
         return stats
 
-    def _chunk_cohesion(self, run: RunDir, labels: np.ndarray, tags: list[str]) -> dict[int, float]:
+    def _chunk_cohesion(self, run: RunDir, members_of: dict[int, np.ndarray], tags: list[str]) -> dict[int, float]:
         """Per cluster: the excess cohesion of its chunks over random chunks (see the module docstring)."""
         vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
         chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
         seed = self.config.library.seed
         covered = {}
-        for cluster in np.unique(labels).tolist():
-            chunks = sorted({chunk for i in np.flatnonzero(labels == cluster) for chunk in chunks_of_tag[tags[i]]})
+        for cluster, members in members_of.items():
+            chunks = sorted({chunk for i in members for chunk in chunks_of_tag[tags[i]]})
             rng = np.random.default_rng([seed, cluster, 1])
             covered[cluster] = ([chunks[i] for i in np.sort(rng.choice(len(chunks), COHESION_SAMPLE, replace=False))]
                                 if len(chunks) > COHESION_SAMPLE else chunks)

@@ -27,6 +27,7 @@ from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.tags import load_vocab
 from atlas.llm.engine import make_engine, setup_engine
+from atlas.models.kmeans import members_of_clusters
 from atlas.models.labeler import (
     example_sentence,
     label_prompt,
@@ -77,9 +78,10 @@ class LabelStage(Stage):
         x = vectors.astype(np.float32)
         stats = Stats({"clusters_in": len(kept)})
 
+        members_of = members_of_clusters(labels)
         tops = {}
         for cluster in kept:
-            members = np.flatnonzero(labels == cluster)
+            members = members_of[cluster]
             order = members[np.lexsort((np.array(tags, dtype=object)[members], -counts[members]))]
             tops[cluster] = order[: self.config.library.label_tags]
         examples = self._examples(run, {c: [tags[i] for i in top] for c, top in tops.items()})
@@ -93,8 +95,8 @@ class LabelStage(Stage):
             description = offline_description(name, evidence_tags,
                                               example_sentence(texts[0], evidence_tags) if texts else None)
             rows.append({"cluster_id": cluster, "name": name, "description": description,
-                         "evidence_tags": evidence_tags, "n_tags": int((labels == cluster).sum()),
-                         "count": int(counts[labels == cluster].sum())})
+                         "evidence_tags": evidence_tags, "n_tags": len(members_of[cluster]),
+                         "count": int(counts[members_of[cluster]].sum())})
             evidence.append([(tags[i], int(counts[i])) for i in top])
         if self.engine is not None:
             for row, answer in zip(rows, llm_labels(self.engine, evidence, [examples.get(c, []) for c in kept])):
