@@ -49,7 +49,6 @@ from atlas.io.tags import load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
 from atlas.models.embedder import Embedder, encode_cached
-from atlas.models.kmeans import members_of_clusters
 
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
@@ -134,6 +133,8 @@ class CoherenceStage(Stage):
             self.engine.close()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
+        from atlas.models.kmeans import members_of_clusters  # faiss and scikit-learn: the library extra
+
         c = self.config.library
         vocab, vectors = load_vocab(run)
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()

@@ -27,7 +27,6 @@ from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.tags import load_vocab
 from atlas.llm.engine import make_engine, setup_engine
-from atlas.models.kmeans import members_of_clusters
 from atlas.models.labeler import (
     example_sentence,
     label_prompt,
@@ -52,6 +51,7 @@ class LabelStage(Stage):
     name = "label"
     output = layout.LABELS
     upstream = ("coherence",)
+    needs = ("library",)
 
     def extras(self) -> tuple[str, ...]:
         return self.needs + llm_extras(self.config.llm.engine)
@@ -70,6 +70,8 @@ class LabelStage(Stage):
             self.engine.close()
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
+        from atlas.models.kmeans import members_of_clusters  # faiss and scikit-learn: the library extra
+
         _, vectors = load_vocab(run)
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
         centroids = np.load(run.output_dir(layout.CLUSTERS) / "_centroids.npy", allow_pickle=False)
