@@ -24,6 +24,7 @@ from atlas.stages import STAGES
 
 pytestmark = pytest.mark.slow
 
+MAX_DELAY = 0.3  # the latest a kill lands after its stage starts (seconds)
 RUN_S = 300  # the longest a whole `atlas run` of the small pipeline may take; each wait below has its own deadline
 EXCLUDED_NAMES = {"manifest.json", "_stats.json"}
 EXCLUDED_PARTS = {"_shards", "_cache", "report", "_staging"}
@@ -87,14 +88,17 @@ def running_stage(run_dir: Path, pid: int) -> str | None:
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, demo_records):
-    """A 24-document config through every stage, and the data files of its uninterrupted run."""
+    """A 24-document config through every stage, the data files of its uninterrupted run, and how long each of
+    its stages took (wall seconds)."""
     folder = tmp_path_factory.mktemp("faults")
     sources = ("python-docs", "python-math-docs", "python-stdlib")
     docs = write_jsonl(folder / "docs.jsonl",
                        [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
     config = write_config(folder, docs, input={"docs_per_shard": 6}, **SMALL)
     finish(atlas_run(config), "the uninterrupted reference run")
-    return config, data_files(folder / "run")
+    manifest = json.loads((folder / "run" / "manifest.json").read_text())
+    wall = {name: info.get("wall_seconds", MAX_DELAY) for name, info in manifest["stages"].items()}
+    return config, data_files(folder / "run"), wall
 
 
 def with_run_dir(config: Path, run_dir: Path) -> Path:
@@ -106,10 +110,11 @@ def with_run_dir(config: Path, run_dir: Path) -> Path:
 
 @pytest.mark.timeout(1500)  # 24 runs of the pipeline: 3-5 min on 2 quiet cores, far longer on a busy machine
 def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outputs(pipeline, tmp_path):
-    """Kill `atlas run` twice per stage, at a random moment (0-0.3 s) after the stage starts (seeded; the seed is
-    printed), restart it each time, and compare the finished run with the uninterrupted one. A stage quicker than
-    the delay gets its kill in the stage after it."""
-    config, reference = pipeline
+    """Kill `atlas run` twice per stage, at a random moment after the stage starts (seeded; the seed is printed),
+    restart it each time, and compare the finished run with the uninterrupted one. The moment is drawn within the
+    stage's duration in the uninterrupted run (at most 0.3 s), so that quick stages are hit too; one that ends
+    before the kill gets it in the stage after it."""
+    config, reference, wall = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
     seed = int(os.environ.get("ATLAS_FAULT_SEED", time.time_ns() % 10_000))
@@ -124,7 +129,7 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
                  >= order[t], f"`atlas run` to start stage {target} (kills so far: {kills})", RUN_S, interval=0.005)
         if process.poll() is not None:  # the run finished: nothing left to kill
             break
-        delay = rng.uniform(0, 0.3)
+        delay = rng.uniform(0, min(MAX_DELAY, 0.8 * wall.get(target, MAX_DELAY)))
         time.sleep(delay)
         stage = running_stage(run_dir, process.pid)
         if process.poll() is None:
@@ -143,7 +148,7 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
 
 
 def test_status_says_interrupted_after_a_kill(pipeline, tmp_path):
-    config, _ = pipeline
+    config, _, _ = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
     process = atlas_run(config)
@@ -187,7 +192,7 @@ def limit_file_size(limit: int):
 
 
 def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_path):
-    config, reference = pipeline
+    config, reference, _ = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
     finish(atlas_run(config, "chunk,tag"), "`atlas run --stages chunk,tag`")
@@ -215,7 +220,7 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
 
 
 def test_a_read_only_run_directory_gives_a_clear_error_and_changes_nothing(pipeline, tmp_path):
-    config, reference = pipeline
+    config, reference, _ = pipeline
     run_dir = tmp_path / "run"
     config = with_run_dir(config, run_dir)
     finish(atlas_run(config, "chunk"), "`atlas run --stages chunk`")
