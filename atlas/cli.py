@@ -307,8 +307,12 @@ def cmd_estimate(args) -> int:
     for r in rows:
         print(f"{r['stage']:<48} {r['sample']:>7,} {r['per_second']:>9,.1f}/s {r['corpus']:>9,} {r['unit']:<3} "
               f"{r['hours_one_worker']:>13,.2f} {r['hours']:>18,.2f}")
-    print("global stages (vocab ... train_annotator, index) are not projected: they scale with the tag vocabulary "
-          "and the reservoir")
+    for path, what in (("library sample", "tag the library sample"),
+                       ("corpus", "chunk, annotate and tokenize every document")):
+        hours = sum(r["hours"] for r in rows if r["path"] == path)
+        print(f"{path} path ({what}): {hours:,.2f} hours with {config.execution.workers} workers")
+    print("not projected: the global stages (vocab ... train_annotator; they scale with the tag vocabulary and the "
+          "reservoir) and the index (see benchmarks/bench_index.py)")
     return 0
 
 

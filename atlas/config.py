@@ -125,6 +125,12 @@ class TagConfig(Section):
     max_attempts: int = Field(default=3, ge=1)  # answers that fail validation are asked again, then quarantined
     # requests per call of a batch engine (offline, vLLM); a server gets llm.max_concurrency at once
     batch_size: int = Field(default=256, ge=1)
+    # The library sample (paper 4.2: 6.6M of 1.84B documents tagged). A document is tagged when a stable hash of
+    # its id falls below sample_fraction (the same documents however the input is sharded; every data_src in
+    # proportion), at most sample_max_docs of them. Tag -> ... -> train_annotator see the sample only; annotate,
+    # tokenize and index see every chunk.
+    sample_fraction: float = Field(default=1.0, gt=0, le=1)
+    sample_max_docs: int | None = Field(default=None, ge=1)
 
 
 class VocabConfig(Section):
@@ -231,6 +237,9 @@ class AnnotateConfig(Section):
     # inside their rows directly; chunks shared by two shards are written at the end: keep it below the shard size.
     zarr_chunk_rows: int = Field(default=1024, ge=1)
     device: str | None = None  # None: cuda if available, else cpu
+    # A finished run (or an annotator folder beside its library) whose annotator labels this corpus: the run then
+    # chunks, annotates, tokenizes and indexes without tagging (relative paths resolve against the config file).
+    annotator_from: str | None = None
 
 
 class TokenizeConfig(Section):
@@ -264,6 +273,9 @@ class ExecutionConfig(Section):
     shard_retries: int = Field(default=1, ge=0)  # a failed shard task is run again this many times (Prefect only)
     shard_retry_delay_seconds: float = Field(default=5.0, ge=0)
     progress: bool = True
+    # The most memory (GiB) a global stage's out-of-core work (DuckDB aggregations, joins) may hold before it
+    # spills to RUN/_tmp; peak memory is bounded by this, not by the corpus size.
+    memory_gb: float = Field(default=4.0, gt=0)
 
 
 class AtlasConfig(Section):
@@ -364,7 +376,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
     except ValidationError as e:
         raise ConfigError(_explain(e, source)) from None
     config.run_dir = str((base / config.run_dir).resolve())
-    for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir")):
+    for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir"), (config.annotate, "annotator_from")):
         if getattr(section, key):
             setattr(section, key, str((base / getattr(section, key)).resolve()))
     if config.input.path and "://" not in config.input.path:
@@ -378,6 +390,8 @@ def _missing_files(config: AtlasConfig) -> list[str]:
     """Names in the config that must be files (schemas, lists, the prompt) but are not: found at load time, not
     when the stage that reads them starts."""
     problems = []
+    if config.annotate.annotator_from and not Path(config.annotate.annotator_from).is_dir():
+        problems.append(f"  annotate.annotator_from: folder not found: {config.annotate.annotator_from}")
     if config.tag.prompt and not Path(config.tag.prompt).is_file():
         problems.append(f"  tag.prompt: file not found: {config.tag.prompt}")
     root = Path(config.tag.schema_dir) if config.tag.schema_dir else PROJECT_ROOT / "schemas"

@@ -32,7 +32,7 @@ from atlas.core.lock import run_lock
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
-from atlas.stages import STAGES
+from atlas.stages import LIBRARY_STAGES, STAGES
 
 
 class RunConflict(RuntimeError):
@@ -141,6 +141,12 @@ def check_run(config: AtlasConfig, stages: Sequence[str] | None = None, force: b
     extra, upstream stages that never ran, a run directory of another config. Reads the run directory only."""
     run = RunDir(config.run_dir)
     selected = pipeline_order(stages)
+    if config.annotate.annotator_from:
+        if stages and (asked := [n for n in selected if n in LIBRARY_STAGES]):
+            raise ConfigError(f"annotate.annotator_from is set ({config.annotate.annotator_from}): this run uses that "
+                              f"annotator and library and runs no library stage; drop {asked} from --stages, or "
+                              f"unset annotate.annotator_from to build a library here")
+        selected = [n for n in selected if n not in LIBRARY_STAGES]
     recorded = dict(run.read_manifest().get("stages", {}))
     # A record without a hash (an older Atlas wrote half records when two runs raced) counts as no record here.
     hashes = {name: info["hash"] for name, info in recorded.items() if info.get("hash")}

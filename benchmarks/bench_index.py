@@ -1,14 +1,17 @@
 """The IVFPQ attribution index (atlas.models.ivfpq) against an exact IndexFlatIP, on synthetic
 sentence-like embeddings.
 
-    python benchmarks/bench_index.py [--n 1000000] [--d 384] [--code-bytes 64] [--seed 0] [--variants mem,disk]
-                                     [--rerank 0,100] [--threads T] [--dup-frac 0.05] [--keep DIR] [--json PATH]
+    python benchmarks/bench_index.py [--n 1000000] [--d 384] [--code-bytes 64] [--seed 0] [--variants mem,disk,map]
+                                     [--shards 8] [--rerank 0,100] [--threads T] [--dup-frac 0.05] [--keep DIR]
+                                     [--json PATH]
 
 data     = ``--n`` unit vectors, float16 in an ``np.memmap`` under a temporary folder (as ``embeddings.zarr`` stores
            them), generated in batches so memory stays bounded (see :func:`synthetic_embeddings`)
 atlas    = ``atlas.models.ivfpq.build_ivfpq`` with its defaults (nlist_for(n) lists, ``--code-bytes`` PQ
            code), loaded with ``load_index`` (memory-mapped); ``mem`` keeps the lists in ``index.faiss``,
-           ``disk`` writes each batch's lists to a part file and merges them into ``invlists.ondisk``
+           ``disk`` writes the lists of each ~1M rows to a part file and merges them into ``invlists.ondisk``;
+           ``map`` is the index stage's map + merge in one process: ``train_ivfpq`` once, ``add_part`` for each of
+           ``--shards`` row ranges, ``merge_parts`` (lists on disk above 2M rows); it makes the ``mem`` index
 baseline = ``faiss.IndexFlatIP`` over the same vectors in float32 (exact; it holds all of them in memory)
 
 Recall is the paper's: 1,000 indexed rows are searched (k = 10) and a hit is the row itself in its top 10, at
@@ -141,13 +144,32 @@ def _queries_per_second(index, queries: np.ndarray, **kwargs) -> float:
     return len(queries) / best
 
 
-def _phase_build(data: str, folder: str, on_disk: bool, code_bytes: int, threads: int | None) -> dict:
+def _phase_build(data: str, folder: str, variant: str, code_bytes: int, threads: int | None, shards: int) -> dict:
     from atlas.models.ivfpq import build_ivfpq
 
     anon = _AnonPeak()
     vectors = np.load(data, mmap_mode="r")
-    stats = build_ivfpq(vectors, folder, code_bytes=code_bytes, on_disk=on_disk, threads=threads)
+    if variant == "map":
+        stats = _map_merge(vectors, Path(folder), code_bytes, threads, shards)
+    else:
+        stats = build_ivfpq(vectors, folder, code_bytes=code_bytes, on_disk=variant == "disk", threads=threads)
     return {**stats, "peak_rss_mb": _peak_rss_mb(), "peak_anon_mb": anon.stop_mb()}
+
+
+def _map_merge(vectors: np.ndarray, folder: Path, code_bytes: int, threads: int | None, shards: int) -> dict:
+    """The index stage's build, its shards one after the other: add_seconds counts the shards and the merge."""
+    from atlas.models.ivfpq import add_part, merge_parts, train_ivfpq
+
+    trained = train_ivfpq(vectors, folder / "trained.faiss", code_bytes=code_bytes, threads=threads)
+    bounds = np.linspace(0, len(vectors), shards + 1).astype(int).tolist()
+    parts = [folder / "_parts" / f"shard-{i:05d}.npz" for i in range(shards)]
+    start = time.perf_counter()
+    for a, b, part in zip(bounds, bounds[1:], parts):
+        add_part(folder / "trained.faiss", vectors, a, b, part, threads=threads)
+    merged = merge_parts(folder / "trained.faiss", parts, folder)
+    shutil.rmtree(folder / "_parts")
+    return merged | {"train_size": trained["train_size"], "train_seconds": trained["train_seconds"],
+                     "add_seconds": time.perf_counter() - start}
 
 
 def _phase_search(data: str, folder: str, reranks: list[int], seed: int, threads: int | None) -> dict:
@@ -225,7 +247,8 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=384)
     parser.add_argument("--code-bytes", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default="mem,disk", help="comma-separated subset of mem,disk")
+    parser.add_argument("--variants", default="mem,disk,map", help="comma-separated subset of mem,disk,map")
+    parser.add_argument("--shards", type=int, default=8, help="row ranges of the map variant")
     parser.add_argument("--rerank", default="0,100", help="comma-separated candidate counts to re-rank (0: none)")
     parser.add_argument("--dup-frac", type=float, default=0.05, help="share of rows that are near-duplicates")
     parser.add_argument("--threads", type=int, default=None, help="FAISS OpenMP threads (default: FAISS' own)")
@@ -255,7 +278,7 @@ def main() -> None:
         rows = []
         for variant in variants:
             folder = str(work / f"index-{variant}")
-            built = _in_child(_phase_build, str(data), folder, variant == "disk", args.code_bytes, args.threads)
+            built = _in_child(_phase_build, str(data), folder, variant, args.code_bytes, args.threads, args.shards)
             print(f"[{variant}] built: train {built['train_seconds']:.1f} s + add {built['add_seconds']:.1f} s "
                   f"(train_size {built['train_size']:,}, nlist {built['nlist']}, m {built['m']}), "
                   f"{built['bytes'] / 1e6:.1f} MB, peak RSS {built['peak_rss_mb']:.0f} MB, "

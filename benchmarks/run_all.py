@@ -42,6 +42,10 @@ BENCHMARKS = [
     ("corpus", ["bench_corpus.py", "--run", "{run}"], ["--chunks", "100", "--rss", "300,1000"], [],
      ["{run}/annotator/config.json"]),
     ("index", ["bench_index.py"], ["--n", "100000", "--variants", "mem"], [], []),
+    # the global stages at growing corpus sizes (synthetic, drawn from the run's chunks and tags); full: 10k-1M
+    # chunks and vocab on 20M tag rows (about half an hour on 2 CPU cores)
+    ("scale", ["bench_scale.py", "--source", "{run}"], ["--sizes", "5000,50000"], ["--tag-rows", "20000000"],
+     ["{run}/chunks", "{run}/tags"]),
     # --fresh: a reused model would report ~0 s of training; the bench models are RUN/cblm/bench-ar-*.
     # quick: val_fraction 0.02, as the final evaluation reads every held-out window
     ("cblm", ["bench_cblm.py", "--run", "{run}", "--fresh"],

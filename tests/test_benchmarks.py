@@ -47,3 +47,35 @@ def test_llm_client_benchmark_tiny(tmp_path):
     for r in rows:
         assert FIELDS <= set(r) and r["atlas"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
     assert "window" in proc.stdout and "ideal" in proc.stdout
+
+
+def test_scale_benchmark_tiny(tmp_path):
+    """bench_scale.py on a hand-made source run: every global stage runs at two sizes, and the rows hold the time
+    growth and RSS ratio of each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "source"
+    words = ["graph", "matrix", "python", "prime number", "binary search", "sorting", "limit", "vector space"]
+    texts = [f"Sentence {i} is about {words[i % 8]} and {words[(i * 3) % 8]}. It has a second sentence here."
+             for i in range(40)]
+    (source / "chunks").mkdir(parents=True)
+    (source / "tags").mkdir()
+    pq.write_table(pa.table({"chunk_id": [f"d:{i:05d}" for i in range(40)], "chunk_text": texts}),
+                   source / "chunks" / "part-00000.parquet")
+    rows = [(f"d:{i:05d}", ("main", "minor", "purpose")[j % 3], words[(i + j) % 8])
+            for i in range(40) for j in range(4)]
+    pq.write_table(pa.table({"chunk_id": [r[0] for r in rows], "field": [r[1] for r in rows],
+                             "tag_norm": [r[2] for r in rows]}), source / "tags" / "part-00000.parquet")
+    out = tmp_path / "scale.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_scale.py"), "--source", str(source), "--sizes", "300,600",
+         "--k", "8", "--workdir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    stages = ["vocab", "cluster", "coherence", "label", "library", "targets", "export"]
+    assert [r["case"].split(" ")[0] for r in rows] == [s for s in stages for _ in range(2)]
+    for r in rows:
+        assert FIELDS <= set(r) and r["atlas"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
+    assert "time growth" in proc.stdout and not list(tmp_path.glob("bench-scale-*"))  # the runs are removed

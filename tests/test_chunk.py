@@ -1,8 +1,16 @@
-import numpy as np
-import pytest
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
 
-from atlas.config import ChunkConfig, ChunkDomain
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import write_config, write_jsonl
+
+from atlas.config import ChunkConfig, ChunkDomain, load_config
 from atlas.core.stats import Stats
+from atlas.runner import run_stages
 from atlas.stages.chunk import Chunker, _pack
 
 # Every line terminator str.splitlines knows.
@@ -138,3 +146,46 @@ def test_dev_corpus_token_statistics(chunker, dev_corpus):
     for domain in ("web", "academic", "qa"):
         assert 80 <= means[domain] <= 150, means
     assert 140 <= means["code"] <= 256 and 120 <= means["math"] <= 256, means
+
+
+def test_exact_counts_hold_on_text_made_to_break_them(chunker):
+    """n_tokens reuses the whole document's tokens between points where a pre-token starts in any context; text
+    mixing what cl100k_base splits on (contractions, digits, accents, marks, emoji, odd spaces, special-token
+    spellings) must still give len(encode_ordinary(chunk))."""
+    rng = random.Random(11)
+    # (U+200B is not among them: BlingFire leaves it out between sentences, yet Python does not call it whitespace.)
+    pieces = ["word", "Word", " ", "  ", "\n", "\n\n", "\t", "'s", "'LL", "don't", "123", "4567", ".", ",", "!?",
+              "(x)", "é", "café", "naïve", "Ω", "e\u0301", "東京", "。", "\U0001F600", "\u00a0", "\u3000",
+              "\r\n", "\u2028", "[BOS]", "<|endoftext|>", "x_y", "a-b", "def f():", "    return 1"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 120)))
+        for domain in (ChunkDomain(max_tokens=12), ChunkDomain(max_tokens=12, splitter="lines")):
+            check_chunks(chunker, text, domain, chunker.split(text, domain, Stats()))
+
+
+def test_threads_sharing_one_chunker_get_what_one_thread_gets(chunker, demo_records):
+    """A worker's threads share one Chunker (and so its splitter's buffers, one set per thread)."""
+    domain = ChunkDomain(max_tokens=60)
+    texts = [r["text"] for r in demo_records[:40]]
+    alone = [chunker.split(text, domain, Stats()) for text in texts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda text: chunker.split(text, domain, Stats()), texts * 3))
+    assert together == alone * 3
+
+
+def test_a_jsonl_input_in_many_shards_gives_the_chunks_of_one_shard(tmp_path, demo_records):
+    records = demo_records[:30] + [demo_records[3]]  # the last one repeats an id: renamed, however it is sharded
+    path = write_jsonl(tmp_path / "docs.jsonl", records)
+    chunks = {}
+    for docs_per_shard in (4, 1000):
+        folder = tmp_path / f"shards-of-{docs_per_shard}"
+        folder.mkdir()
+        config = load_config(write_config(folder, path, input={"docs_per_shard": docs_per_shard}))
+        run_stages(config, ["chunk"], log=lambda m: None)
+        plan = json.loads((folder / "run" / "chunks" / "_plan.json").read_text())
+        parts = sorted((folder / "run" / "chunks").glob("part-*.parquet"))
+        assert len(parts) == len(plan["shards"]) == -(-len(records) // docs_per_shard)
+        chunks[docs_per_shard] = pa.concat_tables([pq.read_table(p) for p in parts])
+    assert chunks[4].equals(chunks[1000])
+    doc_ids = chunks[4].column("doc_id").to_pylist()
+    assert f"{records[3]['id']}@docs.jsonl:30" in doc_ids and len(set(doc_ids)) == len(records)

@@ -1,4 +1,5 @@
-"""The IVFPQ attribution index: sizing rules, in-memory and on-disk builds, loading, search, self-recall, inputs."""
+"""The IVFPQ attribution index: sizing rules, in-memory and on-disk builds, map + merge builds, loading, search,
+self-recall, inputs."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import numpy as np
 import pytest
 
 import atlas.models.ivfpq
+from atlas.core.files import ArtifactError
 from atlas.models.ivfpq import (
     INDEX_FILE,
     INVLISTS_FILE,
+    add_part,
     build_ivfpq,
     load_index,
+    merge_parts,
     nlist_for,
     pq_m_for,
     search,
     self_recall,
+    train_ivfpq,
 )
 
 N, D = 20_000, 64
@@ -195,18 +200,25 @@ def test_zarr_float16_input(tmp_path):
 
 
 def test_on_disk_parts_hold_lists_only(tmp_path, monkeypatch):
-    """Each part file holds its rows' codes and ids and nothing else: no copy of the coarse centroids (a partial index
-    would carry nlist * d * 4 bytes per part, 16 KB here, as much as the codes)."""
+    """Each part file holds its rows' codes and ids, and list sizes, nothing else: no copy of the coarse centroids (a
+    partial index would carry nlist * d * 4 bytes per part, 16 KB here, as much as the codes)."""
     monkeypatch.setattr(atlas.models.ivfpq, "PART_ROWS", 1000)
     x = unit_vectors(3000, D, seed=6)
     seen = {}
 
     def progress(done: int, n: int) -> None:
-        seen[done] = sorted((p.name, p.stat().st_size) for p in tmp_path.glob(".build-*/part-*"))
+        seen[done] = []
+        for path in sorted(tmp_path.glob(".build/part-*")):
+            with np.load(path) as part:
+                shapes = tuple(part[name].shape for name in ("list_sizes", "ids", "codes"))
+            seen[done].append((path.name, shapes, path.stat().st_size))
 
     stats = build_ivfpq(x, tmp_path, on_disk=True, batch_size=1000, code_bytes=8, threads=1, progress=progress)
     assert list(seen) == [1000, 2000, 3000]
-    assert seen[3000] == [(f"part-00000{i}.ivfdata", 1000 * (8 + 8)) for i in range(3)]
+    assert [name for name, _, _ in seen[3000]] == ["part-000000.npz", "part-000001.npz"]  # the last one comes next
+    for _, shapes, size in seen[3000]:
+        assert shapes == ((64,), (1000,), (1000, 8))
+        assert size < 1000 * (8 + 8) + 64 * 8 + 1024  # + the zip and .npy headers
     assert stats["bytes"] < 3000 * 16 + stats["nlist"] * (D * 4 + 64) + 256 * D * 4 + 4096
     index = load_index(tmp_path)
     assert index.ntotal == 3000 and self_recall(index, x, sample=300) >= 0.95
@@ -244,7 +256,7 @@ def test_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="nlist"):
         build_ivfpq(unit_vectors(500, 8, seed=0), tmp_path, nlist=501)
     assert not (tmp_path / INDEX_FILE).exists()
-    assert not any(p.name.startswith(".build-") for p in tmp_path.iterdir())
+    assert not (tmp_path / ".build").exists()
 
 
 def test_deterministic_whatever_the_threads(tmp_path):
@@ -256,3 +268,116 @@ def test_deterministic_whatever_the_threads(tmp_path):
     build_ivfpq(x, tmp_path / "two", code_bytes=4, threads=2)
     assert faiss.omp_get_max_threads() == before
     assert (tmp_path / "one" / INDEX_FILE).read_bytes() == (tmp_path / "two" / INDEX_FILE).read_bytes()
+
+
+# --- map + merge -----------------------------------------------------------------------------------------------------
+
+
+def clustered_vectors(n: int, d: int, seed: int) -> np.ndarray:
+    """Unit vectors around 200 random centres, closer to real embeddings than uniform noise. The spread makes the
+    8-byte codes miss a few rows' own top 10 (self-recall ~0.97, the paper's figure): near 1, equal recalls would
+    say less."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((200, d), dtype=np.float32)
+    x = centres[rng.integers(0, 200, n)] + 0.3 * rng.standard_normal((n, d), dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def map_merge(tmp_path_factory) -> dict:
+    """20,000 clustered vectors indexed twice: in one process (build_ivfpq), and as map + merge in 4 shards of uneven
+    sizes (trained once, each shard encoded into its own part, the parts merged in memory and on disk)."""
+    root = tmp_path_factory.mktemp("map_merge")
+    x = clustered_vectors(N, D, seed=7)
+    single = build_ivfpq(x, root / "single", **BUILD)
+    trained = train_ivfpq(x, root / "trained.faiss", **BUILD)
+    bounds = [0, 3000, 10_000, 12_500, N]
+    parts = [root / "parts" / f"shard-{i:05d}.npz" for i in range(4)]
+    added = [add_part(root / "trained.faiss", x, a, b, part, batch_size=2048, threads=1)
+             for a, b, part in zip(bounds, bounds[1:], parts)]
+    merged = {on_disk: merge_parts(root / "trained.faiss", parts, root / f"merged-{on_disk}", on_disk=on_disk)
+              for on_disk in (False, True)}
+    return {"x": x, "root": root, "single": single, "trained": trained, "added": added, "parts": parts,
+            "merged": merged}
+
+
+def test_map_merge_recall_equals_the_single_build(map_merge):
+    x, root = map_merge["x"], map_merge["root"]
+    assert map_merge["added"] == [3000, 7000, 2500, 7500]
+    single = self_recall(load_index(root / "single"), x, sample=1000, k=10, nprobe=16)
+    for on_disk in (False, True):
+        stats = map_merge["merged"][on_disk]
+        assert (stats["n"], stats["nlist"], stats["parts"], stats["on_disk"]) == (N, 512, 4, on_disk)
+        merged = self_recall(load_index(root / f"merged-{on_disk}"), x, sample=1000, k=10, nprobe=16)
+        assert merged >= 0.9 and abs(merged - single) <= 0.002, (on_disk, merged, single)
+
+
+def test_map_merge_equals_one_in_process_add(map_merge):
+    """The merged lists are those FAISS itself makes adding every vector in row order to the same trained index:
+    same neighbours, same scores. The in-memory merge is even byte for byte build_ivfpq's index file, whose training
+    train_ivfpq repeats."""
+    import faiss
+
+    x, root = map_merge["x"], map_merge["root"]
+    reference = faiss.read_index(str(root / "trained.faiss"))
+    reference.add_with_ids(x, np.arange(N, dtype=np.int64))
+    faiss.extract_index_ivf(reference).nprobe = 16
+    queries = x[::499][:40]
+    expected = search(reference, queries, k=10)
+    for on_disk in (False, True):
+        scores, rows = search(load_index(root / f"merged-{on_disk}"), queries, k=10)
+        assert np.array_equal(rows, expected[1]), on_disk
+        np.testing.assert_allclose(scores, expected[0], rtol=0, atol=1e-6)
+    assert (root / "merged-False" / INDEX_FILE).read_bytes() == (root / "single" / INDEX_FILE).read_bytes()
+    assert sorted(p.name for p in (root / "merged-True").iterdir()) == [INDEX_FILE, INVLISTS_FILE]
+
+
+def test_trained_index_and_parts(map_merge):
+    """train_ivfpq writes an empty trained index (centroids and codebooks); a part holds its rows' lists only."""
+    root, trained = map_merge["root"], map_merge["trained"]
+    assert (trained["n"], trained["d"], trained["nlist"], trained["m"], trained["train_size"]) == (N, D, 512, 8, N)
+    index = faiss.read_index(str(root / "trained.faiss"))
+    assert index.is_trained and index.ntotal == 0
+    with np.load(map_merge["parts"][1]) as part:
+        sizes, ids, codes = part["list_sizes"], part["ids"], part["codes"]
+    assert sizes.shape == (512,) and sizes.sum() == 7000 and codes.shape == (7000, 8)
+    assert sorted(ids.tolist()) == list(range(3000, 10_000))  # global row numbers
+    first = np.cumsum(sizes) - sizes
+    for list_no in np.flatnonzero(sizes)[:20]:  # grouped by list, in row order within a list
+        in_list = ids[first[list_no]:first[list_no] + sizes[list_no]]
+        assert np.all(np.diff(in_list) > 0)
+
+
+def test_map_merge_of_an_empty_shard_and_deterministic_parts(map_merge, tmp_path):
+    """A shard without rows gives an empty part that merges to nothing; a part written twice has the same bytes."""
+    x, root = map_merge["x"], map_merge["root"]
+    assert add_part(root / "trained.faiss", x, 5000, 5000, tmp_path / "empty.npz") == 0
+    add_part(root / "trained.faiss", x, 3000, 10_000, tmp_path / "again.npz", batch_size=999)
+    assert (tmp_path / "again.npz").read_bytes() == map_merge["parts"][1].read_bytes()
+    parts = [map_merge["parts"][0], tmp_path / "empty.npz", *map_merge["parts"][1:]]
+    merge_parts(root / "trained.faiss", parts, tmp_path / "index", on_disk=False)
+    assert (tmp_path / "index" / INDEX_FILE).read_bytes() == (root / "single" / INDEX_FILE).read_bytes()
+    with pytest.raises(ValueError, match="hold no vectors"):
+        merge_parts(root / "trained.faiss", [tmp_path / "empty.npz"], tmp_path / "none")
+
+
+def test_map_merge_refuses_bad_parts(map_merge, tmp_path):
+    x, root = map_merge["x"], map_merge["root"]
+    trained = root / "trained.faiss"
+    with pytest.raises(FileNotFoundError, match="no trained index"):
+        add_part(tmp_path / "missing.faiss", x, 0, 10, tmp_path / "p.npz")
+    with pytest.raises(ValueError, match="not within"):
+        add_part(trained, x, 100, N + 1, tmp_path / "p.npz")
+    with pytest.raises(ValueError, match="dims"):
+        add_part(trained, x[:, :16], 0, 10, tmp_path / "p.npz")
+    with pytest.raises(FileNotFoundError, match="shard-00009.npz is missing"):
+        merge_parts(trained, [root / "parts" / "shard-00009.npz"], tmp_path / "index")
+    (tmp_path / "cut.npz").write_bytes(map_merge["parts"][0].read_bytes()[:5000])
+    with pytest.raises(ArtifactError, match="not a readable index part"):
+        merge_parts(trained, [tmp_path / "cut.npz"], tmp_path / "index")
+    other = tmp_path / "other.faiss"
+    train_ivfpq(x[:2000], other, nlist=16, **BUILD)
+    add_part(other, x, 0, 2000, tmp_path / "other.npz")
+    with pytest.raises(ArtifactError, match="16 lists, this index has 512"):
+        merge_parts(trained, [tmp_path / "other.npz"], tmp_path / "index")
+    assert not (tmp_path / "index" / INDEX_FILE).exists()

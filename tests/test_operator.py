@@ -45,6 +45,19 @@ def test_estimate_says_what_it_measures_as_it_goes(tmp_path, demo_records, capsy
     assert said[5].startswith("  annotate (encoder only: no trained annotator yet): ") and "/s" in said[7]
     table = next(i for i, line in enumerate(lines) if line.startswith("stage "))
     assert lines.index(said[-1]) < table  # each measurement as it ends, then the table
+    paths = [line for line in lines if " path (" in line]
+    assert [line.split(" path (")[0] for line in paths] == ["library sample", "corpus"]
+    assert all("hours with" in line for line in paths)
+
+
+def test_estimate_projects_tagging_on_the_library_sample_only():
+    from atlas.config import AtlasConfig
+    from atlas.tools.estimate import library_share
+
+    config = AtlasConfig.model_validate({"tag": {"sample_fraction": 0.25, "sample_max_docs": 1000}})
+    assert library_share(config, 2000) == 0.25 and library_share(config, 100_000) == 0.01
+    config.annotate.annotator_from = "/elsewhere"
+    assert library_share(config, 2000) == 0.0
 
 
 def test_judge_defines_success_rate_where_it_prints_it(run_copy, capsys):

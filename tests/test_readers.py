@@ -10,12 +10,14 @@ import zstandard
 from conftest import write_jsonl
 
 from atlas.config import InputConfig
-from atlas.io.inputs import Document, InputError, Reject, plan_shards, read_shard
+from atlas.io.inputs import RENAMES, ROW_BITS, Document, InputError, Reject, plan_shards, read_shard
 
 
-def read_all(cfg: InputConfig):
-    plan = plan_shards(cfg)
-    items = [item for shard in range(len(plan["shards"])) for item in read_shard(plan, shard, cfg)]
+def read_all(cfg: InputConfig, folder: Path):
+    """Plan (into ``folder``) and read every shard: the plan, the documents and the rejects."""
+    folder.mkdir(exist_ok=True)
+    plan = plan_shards(cfg, folder)
+    items = [item for shard in range(len(plan["shards"])) for item in read_shard(plan, shard, cfg, folder)]
     return plan, [i for i in items if isinstance(i, Document)], [i for i in items if isinstance(i, Reject)]
 
 
@@ -24,7 +26,7 @@ def test_parquet_is_sharded_by_row_ranges_within_and_across_row_groups(tmp_path)
     table = pa.table({"doc_id": [f"d{i}" for i in range(n)], "text": [f"text {i}" for i in range(n)]})
     pq.write_table(table, tmp_path / "big.parquet", row_group_size=300)
     cfg = InputConfig(path=str(tmp_path / "big.parquet"), docs_per_shard=128)
-    plan, docs, rejects = read_all(cfg)
+    plan, docs, rejects = read_all(cfg, tmp_path / "plan")
     assert len(plan["shards"]) == 8  # one file of 1000 rows still parallelizes
     assert [d.doc_id for d in docs] == [f"d{i}" for i in range(n)]  # every row exactly once, in order
     assert not rejects
@@ -37,7 +39,7 @@ def test_jsonl_plain_gz_zst_and_text_folder(tmp_path):
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
     (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     for name in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst"):
-        plan, docs, _ = read_all(InputConfig(path=str(tmp_path / name), docs_per_shard=10))
+        plan, docs, _ = read_all(InputConfig(path=str(tmp_path / name), docs_per_shard=10), tmp_path / "plan")
         assert len(plan["shards"]) == 3
         assert [d.text for d in docs] == [r["text"] for r in records]
         assert {d.domain for d in docs} == {"math"}
@@ -45,7 +47,7 @@ def test_jsonl_plain_gz_zst_and_text_folder(tmp_path):
     (folder / "sub").mkdir(parents=True)
     (folder / "one.txt").write_text("First note.")
     (folder / "sub" / "two.md").write_text("# Second\n\nA note.")
-    _, docs, _ = read_all(InputConfig(path=str(folder), default_domain="general"))
+    _, docs, _ = read_all(InputConfig(path=str(folder), default_domain="general"), tmp_path / "plan")
     assert [(d.doc_id, d.domain) for d in docs] == [("one.txt", "general"), ("sub/two.md", "general")]
 
 
@@ -91,7 +93,7 @@ def test_bad_records_are_rejected_with_file_row_field_and_reason(tmp_path):
         b'{"doc_id": "j", "text": unquoted}\n'
         b'["not", "an", "object"]\n'
     )
-    _, docs, rejects = read_all(InputConfig(path=str(path)))
+    _, docs, rejects = read_all(InputConfig(path=str(path)), tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["ok"]
     got = [(r.row, r.doc_id, r.field, r.reason) for r in rejects]
     assert got == [
@@ -108,7 +110,7 @@ def test_bad_records_are_rejected_with_file_row_field_and_reason(tmp_path):
 
 def test_parquet_null_text_is_rejected_per_row(tmp_path):
     pq.write_table(pa.table({"doc_id": ["a", "b", "c"], "text": ["one", None, "three"]}), tmp_path / "n.parquet")
-    _, docs, rejects = read_all(InputConfig(path=str(tmp_path / "n.parquet")))
+    _, docs, rejects = read_all(InputConfig(path=str(tmp_path / "n.parquet")), tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["a", "c"]
     assert [(r.row, r.doc_id, r.reason) for r in rejects] == [(1, "b", "null_text")]
 
@@ -117,7 +119,7 @@ def test_parquet_null_text_is_rejected_per_row(tmp_path):
 def test_duplicate_ids_are_renamed_the_same_way_however_the_input_is_sharded(tmp_path, docs_per_shard):
     ids = ["a", "b", "a", "c", "a", "b"]
     path = write_jsonl(tmp_path / "dups.jsonl", [{"doc_id": i, "text": f"text {n}"} for n, i in enumerate(ids)])
-    _, docs, _ = read_all(InputConfig(path=str(path), docs_per_shard=docs_per_shard))
+    _, docs, _ = read_all(InputConfig(path=str(path), docs_per_shard=docs_per_shard), tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["a", "b", "a@dups.jsonl:2", "c", "a@dups.jsonl:4", "b@dups.jsonl:5"]
     assert [d.source_doc_id for d in docs] == ids
     assert len({d.doc_id for d in docs}) == len(ids)
@@ -125,7 +127,7 @@ def test_duplicate_ids_are_renamed_the_same_way_however_the_input_is_sharded(tmp
 
 def test_records_without_id_get_a_positional_one_and_metadata_is_kept(tmp_path):
     path = write_jsonl(tmp_path / "plain.jsonl", [{"text": "one", "url": "http://a"}, {"text": "two"}])
-    _, docs, _ = read_all(InputConfig(path=str(path), metadata_fields=["url"]))
+    _, docs, _ = read_all(InputConfig(path=str(path), metadata_fields=["url"]), tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["plain:0", "plain:1"]
     assert json.loads(docs[0].metadata) == {"url": "http://a"} and json.loads(docs[1].metadata) == {}
     assert docs[0].data_src == "plain"
@@ -145,7 +147,7 @@ def test_text_that_utf8_cannot_write_is_rejected_by_record_with_its_field(tmp_pa
     ]
     path = write_jsonl(tmp_path / "crawl.jsonl", records)
     assert "\\ud83d" in path.read_text()  # the escape itself is in the file, as crawls have it
-    _, docs, rejects = read_all(InputConfig(path=str(path), metadata_fields=["url"]))
+    _, docs, rejects = read_all(InputConfig(path=str(path), metadata_fields=["url"]), tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["ok", "ok2"]
     assert [(r.row, r.doc_id, r.field, r.reason) for r in rejects] == [
         (1, "t", "text", "invalid_unicode"), (2, None, "doc_id", "invalid_unicode"),
@@ -167,7 +169,8 @@ def test_parquet_string_that_is_not_utf8_is_rejected_by_row(tmp_path):
                       "text": strings([b"one", b"two", b"bad \xed\xa0\xbd", b"four"]),
                       "url": strings([b"u", b"u", b"u", b"\xc0u"])})
     pq.write_table(table, tmp_path / "w.parquet")
-    _, docs, rejects = read_all(InputConfig(path=str(tmp_path / "w.parquet"), metadata_fields=["url"]))
+    cfg = InputConfig(path=str(tmp_path / "w.parquet"), metadata_fields=["url"])
+    _, docs, rejects = read_all(cfg, tmp_path / "plan")
     assert [d.doc_id for d in docs] == ["a"]
     assert [(r.row, r.doc_id, r.field, r.reason, r.detail) for r in rejects] == [
         (1, None, "doc_id", "invalid_utf8", "byte 1 of the value is not UTF-8"),
@@ -181,9 +184,42 @@ def test_text_folder_bad_bytes_are_rejected_and_a_name_that_is_not_utf8_is_escap
     (folder / "a.txt").write_text("A fine note.")
     (folder / "b.txt").write_bytes(b"Latin-1, not UTF-8: caf\xe9.")
     (Path(os.fsdecode(bytes(folder) + b"/caf\xe9.txt"))).write_text("A note whose name is Latin-1.")
-    _, docs, rejects = read_all(InputConfig(path=str(folder)))
+    _, docs, rejects = read_all(InputConfig(path=str(folder)), tmp_path / "plan")
     assert [(r.row, r.field, r.reason, r.detail) for r in rejects] == [
         (1, "(record)", "invalid_utf8", "byte 23 of b.txt")]
     assert [d.doc_id for d in docs] == ["a.txt", "caf\\udce9.txt"]  # writable, and still unique
     assert docs[1].source == "notes:2" and docs[1].text == "A note whose name is Latin-1."
     pa.table({"doc_id": [d.doc_id for d in docs], "source": [d.source for d in docs]})  # Arrow takes them
+
+
+def test_a_plain_jsonl_shard_starts_at_its_byte_offset_and_reads_no_earlier_line(tmp_path):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"doc_id": f"x{i}", "text": f"document {i}."} for i in range(50)])
+    cfg = InputConfig(path=str(path), docs_per_shard=10)
+    plan = plan_shards(cfg, tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert [s["offset"] for s in plan["shards"]] == [len(b"".join(lines[: s["start"]])) for s in plan["shards"]]
+    before = list(read_shard(plan, 3, cfg, tmp_path))
+    # Every byte before shard 3 becomes garbage, newlines included: shard 3 reads the same records at the same
+    # rows, so it never read them (counting lines from the start would now find its records on line 0).
+    offset = plan["shards"][3]["offset"]
+    path.write_bytes(b"\xff" * offset + path.read_bytes()[offset:])
+    assert list(read_shard(plan, 3, cfg, tmp_path)) == before
+    assert [d.doc_id for d in before] == [f"x{i}" for i in range(30, 40)] and [d.row for d in before] == list(
+        range(30, 40))
+    assert isinstance(next(read_shard(plan, 0, cfg, tmp_path)), Reject)  # the garbage is there
+
+
+def test_duplicate_ids_across_files_are_found_by_spilling_and_the_plan_holds_no_id(tmp_path):
+    folder = tmp_path / "input"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", [{"doc_id": "dup-id", "text": "one"}, {"doc_id": "unique-id", "text": "two"}])
+    write_jsonl(folder / "b.jsonl", [{"text": "no id"}, {"doc_id": "dup-id", "text": "three"},
+                                     {"doc_id": "dup-id", "text": "four"}])
+    cfg = InputConfig(path=str(folder), docs_per_shard=1)
+    plan, docs, _ = read_all(cfg, tmp_path / "plan")
+    assert [d.doc_id for d in docs] == ["dup-id", "unique-id", "b:0", "dup-id@b.jsonl:1", "dup-id@b.jsonl:2"]
+    assert "dup-id" not in json.dumps(plan) and plan["renamed"] == 2
+    renamed = pq.read_table(tmp_path / "plan" / RENAMES).column("position").to_pylist()
+    assert renamed == [1 << ROW_BITS | 1, 1 << ROW_BITS | 2]  # (file b, rows 1 and 2), sorted
+    assert plan_shards(cfg, tmp_path / "plan", scratch_dir=tmp_path / "spill") == plan
+    assert not (tmp_path / "spill").exists()  # the spill files are removed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from atlas.core.files import read_parquet
+from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 
@@ -23,6 +23,33 @@ CHUNK_SCHEMA = pa.schema(
         ("metadata", pa.string()),
     ]
 )
+
+
+SAMPLE_FILE = "_sample.json"  # in RUN/tags/: the library sample's rule (see sample_threshold)
+
+
+def sample_position(doc_id: str) -> float:
+    """A document's place in [0, 1) for the library sample: a hash of its id alone, so a document is in or out
+    whatever the input's order or sharding, and every source is sampled in proportion. Independent of the
+    annotator's held-out split, which hashes the id with a seed."""
+    return int(sha256_bytes(f"atlas-library-sample:{doc_id}".encode())[:13], 16) / 16**13
+
+
+def sample_threshold(run: RunDir, fraction: float, max_docs: int | None = None) -> float:
+    """The library sample is the documents whose position is below this: ``tag.sample_fraction``, lowered by the
+    tag stage's plan when ``tag.sample_max_docs`` caps it (``RUN/tags/_sample.json``, which must match both)."""
+    path = run.output_dir(layout.TAGS) / SAMPLE_FILE
+    if not path.exists():
+        if max_docs is None:
+            return fraction
+        raise ArtifactError(f"{path}: missing; tag.sample_max_docs needs the tag stage's plan, made once the chunk "
+                            f"stage is done (atlas run does it; for SLURM: atlas plan CONFIG --stages tag)")
+    rule = read_json(path)
+    if (rule.get("fraction"), rule.get("max_docs")) != (fraction, max_docs):
+        raise ArtifactError(f"{path}: planned for sample_fraction {rule.get('fraction')}, sample_max_docs "
+                            f"{rule.get('max_docs')}, not the config's {fraction}, {max_docs}; plan the tag stage "
+                            f"again (atlas run, or atlas plan CONFIG --stages tag)")
+    return rule["threshold"]
 
 
 def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:

@@ -4,13 +4,18 @@ Reading happens in two steps so that one huge file still parallelizes:
 
 1. ``plan_shards`` lists the input files and cuts them into shards of about
    ``input.docs_per_shard`` documents (row ranges for Parquet, line ranges for JSONL, file ranges
-   for text folders). It also finds duplicate document ids across the whole input.
+   for text folders). It reads each file once, streaming: a plain JSONL shard records the byte
+   offset of its first line, so that reading it starts there. It also finds duplicate document ids
+   across the whole input, out of core (below).
 2. ``read_shard`` yields the documents of one shard, and a ``Reject`` (file, row, field, reason)
    for every record that cannot be used. Bad records never stop the run.
 
 Duplicate ids: the first occurrence (in file order, then row order) keeps its id; every later one
 becomes ``<id>@<file name>:<row>``, which is unique and the same however the input is sharded. The
-original id stays in ``source_doc_id``.
+original id stays in ``source_doc_id``. Planning spills every (id, position) to a Parquet file and
+DuckDB finds the later occurrences within ``execution.memory_gb``; their positions, sorted, go to
+``_renames.parquet`` beside the plan, and each shard reads only its own range of it. (Ids that a
+record lacks and gets from its position take no part.)
 """
 
 from __future__ import annotations
@@ -18,23 +23,33 @@ from __future__ import annotations
 import glob
 import gzip
 import io
+import itertools
 import json
 import math
+import tempfile
 import zlib
+from array import array
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
 from atlas.config import InputConfig
 from atlas.core.files import InputError  # noqa: F401 (defined with the other file errors; imported from here too)
+from atlas.io.outofcore import PartWriter, duckdb_session, record_batches, scratch
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
+PLAN_VERSION = 2  # 2: JSONL byte offsets, duplicate ids in RENAMES (1 held every duplicate id in the plan)
+RENAMES = "_renames.parquet"  # beside the plan: the sorted positions of the records whose duplicate id is renamed
+RENAMES_SCHEMA = pa.schema([("position", pa.int64())])
+ROW_BITS = 40  # a record's position in the input is file index << ROW_BITS | row (2**40 rows a file at most)
 
 
 @dataclass(slots=True)
@@ -110,6 +125,7 @@ class ShardSpec:
     file: str
     start: int  # first row / line / file index (inclusive)
     stop: int  # exclusive
+    offset: int | None = None  # plain JSONL: the byte offset of line ``start``
 
 
 # --- discovery ---------------------------------------------------------------------------------
@@ -149,6 +165,10 @@ def list_input_files(cfg: InputConfig) -> tuple[str, list[Path]]:
 # --- planning ----------------------------------------------------------------------------------
 
 
+def _is_compressed(path: Path) -> bool:
+    return path.name.lower().endswith((".gz", ".zst"))
+
+
 def _open_text(path: Path) -> io.BufferedReader:
     name = path.name.lower()
     if name.endswith(".gz"):
@@ -158,8 +178,11 @@ def _open_text(path: Path) -> io.BufferedReader:
     return open(path, "rb")
 
 
-def _iter_lines(path: Path) -> Iterator[bytes]:
+def _iter_lines(path: Path, offset: int = 0) -> Iterator[bytes]:
+    """The lines of a JSONL file; a plain one from byte ``offset`` on."""
     with _open_text(path) as raw:
+        if offset:
+            raw.seek(offset)
         try:
             yield from io.BufferedReader(raw) if not isinstance(raw, io.BufferedReader) else raw
         except (OSError, EOFError, zlib.error, zstandard.ZstdError) as e:  # truncated or corrupt .gz / .zst
@@ -185,67 +208,138 @@ def _check_parquet_columns(path: Path, pf: pq.ParquetFile, cfg: InputConfig) -> 
         raise InputError(f"{path}: metadata column(s) {missing} not found; available columns: {', '.join(names)}")
 
 
-def _ids_of_file(path: Path, fmt: str, cfg: InputConfig) -> Iterator[tuple[int, str]]:
-    """(row, id) for every record that has an id, used to find duplicates across the input."""
-    if fmt == "text" or not cfg.id_field:
-        return
-    if fmt == "parquet":
-        pf = _parquet_file(path)
-        if cfg.id_field not in pf.schema_arrow.names:
+class _IdSpill:
+    """The (id, position) of every record that has an id, written to a Parquet file one batch at a time; then the
+    records whose id an earlier one has, found out of core."""
+
+    BATCH = 65_536
+    SCHEMA = pa.schema([("id", pa.string()), ("position", pa.int64())])
+
+    def __init__(self, folder: Path):
+        self.path = folder / "ids.parquet"
+        self.writer = pq.ParquetWriter(self.path, self.SCHEMA)
+        self.ids: list[str] = []
+        self.positions: list[int] = []
+
+    def add(self, doc_id: str, file_index: int, row: int) -> None:
+        self.ids.append(doc_id)
+        self.positions.append(file_index << ROW_BITS | row)
+        if len(self.ids) == self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.ids:
             return
+        try:
+            ids = pa.array(self.ids, pa.string())
+        except (UnicodeEncodeError, pa.ArrowInvalid):  # ids UTF-8 cannot write are rejected when read: leave them out
+            keep = [i for i, doc_id in enumerate(self.ids) if _unwritable(doc_id) is None]
+            ids, self.positions = pa.array([self.ids[i] for i in keep], pa.string()), [self.positions[i] for i in keep]
+        self.writer.write_table(pa.table([ids, pa.array(self.positions, pa.int64())], schema=self.SCHEMA))
+        self.ids, self.positions = [], []
+
+    def write_renames(self, path: Path, memory_gb: float) -> int:
+        """Write the sorted positions of the records whose id an earlier record has to ``path``; their number."""
+        self._flush()
+        self.writer.close()
+        later = """SELECT s.position FROM read_parquet(?) s
+                   JOIN (SELECT id, min(position) AS first FROM read_parquet(?) GROUP BY id HAVING count(*) > 1) d
+                   ON s.id = d.id WHERE s.position <> d.first ORDER BY s.position"""
+        with duckdb_session(self.path.parent, memory_gb) as con, PartWriter(path, RENAMES_SCHEMA) as out:
+            for batch in record_batches(con, later, [str(self.path), str(self.path)]):
+                out.write(pa.Table.from_batches([batch]))
+        return out.rows
+
+
+def _scan_parquet(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill | None) -> int:
+    """The number of rows of a Parquet file, its columns checked; the id of each row goes to ``ids``."""
+    pf = _parquet_file(path)
+    _check_parquet_columns(path, pf, cfg)
+    if ids is not None and cfg.id_field in pf.schema_arrow.names:
         row = 0
         for batch in pf.iter_batches(columns=[cfg.id_field], batch_size=65_536):
             for value in _column_values(batch.column(0)):
                 if value is not None and not isinstance(value, _NotUtf8):  # _NotUtf8: the row is rejected
-                    yield row, str(value)
+                    ids.add(str(value), file_index, row)
                 row += 1
-        return
-    for row, line in enumerate(_iter_lines(path)):
-        try:
-            value = json.loads(line).get(cfg.id_field)
-        except (ValueError, AttributeError):
-            continue
-        if value is not None:
-            yield row, str(value)
+    return pf.metadata.num_rows
 
 
-def _count_rows(path: Path, fmt: str, cfg: InputConfig) -> int:
-    if fmt == "parquet":
-        pf = _parquet_file(path)
-        _check_parquet_columns(path, pf, cfg)
-        return pf.metadata.num_rows
-    return sum(1 for _ in _iter_lines(path))
+def _scan_jsonl(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill | None,
+                offsets_path: Path | None) -> int:
+    """The number of lines of a JSONL file, in one pass that also writes the byte offset of every line to
+    ``offsets_path`` (8 bytes a line, so memory does not grow with the file) and gives each record's id to ``ids``."""
+    offsets, position, rows = array("q"), 0, 0
+    with ExitStack() as stack:
+        out = stack.enter_context(open(offsets_path, "wb")) if offsets_path else None
+        for rows, line in enumerate(_iter_lines(path), start=1):
+            if out is not None:
+                offsets.append(position)
+                position += len(line)
+                if len(offsets) == 65_536:
+                    offsets.tofile(out)
+                    del offsets[:]
+            if ids is not None:
+                try:
+                    value = json.loads(line).get(cfg.id_field)
+                except (ValueError, AttributeError):
+                    continue
+                if value is not None:
+                    ids.add(str(value), file_index, rows - 1)
+        if out is not None:
+            offsets.tofile(out)
+    return rows
 
 
-def plan_shards(cfg: InputConfig) -> dict:
-    """Cut the input into shards and find duplicate ids. The result is JSON (stored in the run)."""
+def _cut(n: int, docs_per_shard: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of about ``docs_per_shard`` of ``n`` rows, of even sizes."""
+    per = math.ceil(n / max(1, math.ceil(n / docs_per_shard))) if n else 0
+    return [(start, min(start + per, n)) for start in range(0, n, per or 1)]
+
+
+def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Path | None = None,
+                memory_gb: float = 1.0) -> dict:
+    """Cut the input into shards and find duplicate ids, reading each file once. The result is JSON (stored in the
+    run, in ``folder``).
+
+    The positions of the records whose duplicate id is renamed go to ``folder / RENAMES``; without a ``folder``,
+    duplicate ids are not looked for (enough to sample documents). Spill files go to ``scratch_dir`` (by default a
+    temporary folder), which is emptied on the way in and removed on the way out. Memory: one batch of ids, the
+    shard list, and at most ``memory_gb`` for the duplicate search.
+    """
     fmt, files = list_input_files(cfg)
+    if folder is not None:
+        (folder / RENAMES).unlink(missing_ok=True)  # an earlier plan's
     shards: list[ShardSpec] = []
     if fmt == "text":
         root = Path(cfg.path) if Path(cfg.path).is_dir() else files[0].parent
         for start in range(0, len(files), cfg.docs_per_shard):
             shards.append(ShardSpec(str(root), start, min(start + cfg.docs_per_shard, len(files))))
-        return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards],
-                "duplicates": {}}
+        return {"version": PLAN_VERSION, "format": fmt, "files": [str(p) for p in files],
+                "shards": [asdict(s) for s in shards], "renamed": 0}
 
-    first_seen: dict[str, str] = {}
-    duplicates: dict[str, str] = {}  # id -> position of its first occurrence
-    for path in files:
-        n = _count_rows(path, fmt, cfg)
-        per = math.ceil(n / max(1, math.ceil(n / cfg.docs_per_shard))) if n else 0
-        for start in range(0, n, per or 1):
-            shards.append(ShardSpec(str(path), start, min(start + per, n)))
-        for row, doc_id in _ids_of_file(path, fmt, cfg):
-            where = f"{path.name}:{row}"
-            if doc_id in first_seen:
-                duplicates.setdefault(doc_id, first_seen[doc_id])
+    with ExitStack() as stack:
+        spill = Path(stack.enter_context(scratch(scratch_dir) if scratch_dir else tempfile.TemporaryDirectory()))
+        ids = _IdSpill(spill) if folder is not None and cfg.id_field else None
+        for file_index, path in enumerate(files):
+            if fmt == "parquet":
+                ranges = _cut(_scan_parquet(path, cfg, file_index, ids), cfg.docs_per_shard)
+                shards += [ShardSpec(str(path), start, stop) for start, stop in ranges]
+                continue
+            offsets_path = None if _is_compressed(path) else spill / "offsets.bin"  # compressed: no seeking
+            ranges = _cut(_scan_jsonl(path, cfg, file_index, ids, offsets_path), cfg.docs_per_shard)
+            if offsets_path and ranges:
+                offsets = np.memmap(offsets_path, dtype=np.int64, mode="r")
+                shards += [ShardSpec(str(path), start, stop, int(offsets[start])) for start, stop in ranges]
+                del offsets
             else:
-                first_seen[doc_id] = where
-    if not shards:
-        raise InputError(f"{cfg.path}: no records in {', '.join(p.name for p in files)} (empty file(s)); "
-                         "nothing to process")
-    return {"format": fmt, "files": [str(p) for p in files], "shards": [asdict(s) for s in shards],
-            "duplicates": duplicates}
+                shards += [ShardSpec(str(path), start, stop) for start, stop in ranges]
+        if not shards:
+            raise InputError(f"{cfg.path}: no records in {', '.join(p.name for p in files)} (empty file(s)); "
+                             "nothing to process")
+        renamed = ids.write_renames(folder / RENAMES, memory_gb) if ids is not None else 0
+    return {"version": PLAN_VERSION, "format": fmt, "files": [str(p) for p in files],
+            "shards": [asdict(s) for s in shards], "renamed": renamed}
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -277,11 +371,11 @@ def _records_parquet(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, d
 
 
 def _records_jsonl(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
-    for row, line in enumerate(_iter_lines(Path(spec.file))):
-        if row < spec.start:
-            continue
-        if row >= spec.stop:
-            break
+    if spec.offset is not None:  # a plain file: read from the shard's first line on
+        lines = _iter_lines(Path(spec.file), spec.offset)
+    else:  # a compressed one is decompressed from its start
+        lines = itertools.islice(_iter_lines(Path(spec.file)), spec.start, None)
+    for row, line in zip(range(spec.start, spec.stop), lines):
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -316,11 +410,23 @@ def _records_text(spec: ShardSpec, files: list[str],
         yield index, {cfg.text_field: text, "__default_id__": rel}, None
 
 
-def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | Reject]:
-    """Documents of one shard, and a Reject for each record that cannot be used."""
+def _renamed_rows(plan: dict, spec: ShardSpec, folder: Path | None) -> set[int]:
+    """The rows of a shard whose id an earlier record has (read from the plan's RENAMES, this shard's range only)."""
+    if not plan.get("renamed"):
+        return set()
+    if folder is None:
+        raise ValueError("the plan renames duplicate ids: read_shard needs the plan's folder")
+    base = plan["files"].index(spec.file) << ROW_BITS
+    table = pq.read_table(folder / RENAMES, columns=["position"],
+                          filters=[("position", ">=", base + spec.start), ("position", "<", base + spec.stop)])
+    return {position - base for position in table.column(0).to_pylist()}
+
+
+def read_shard(plan: dict, shard: int, cfg: InputConfig, folder: Path | None = None) -> Iterator[Document | Reject]:
+    """Documents of one shard, and a Reject for each record that cannot be used (``folder``: the plan's)."""
     spec = ShardSpec(**plan["shards"][shard])
     fmt = plan["format"]
-    duplicates = plan["duplicates"]
+    renamed = _renamed_rows(plan, spec, folder)
     if fmt == "parquet":
         records = _records_parquet(spec, cfg)
     elif fmt == "jsonl":
@@ -337,9 +443,7 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig) -> Iterator[Document | 
         raw_id = record.get(cfg.id_field) if cfg.id_field else None
         source_id = (str(raw_id) if raw_id is not None
                      else record.get("__default_id__", f"{Path(file_name).stem}:{row}"))
-        doc_id = source_id
-        if source_id in duplicates and duplicates[source_id] != where:
-            doc_id = f"{source_id}@{where}"
+        doc_id = f"{source_id}@{where}" if row in renamed else source_id
         shown_id = _printable(doc_id)  # only an id made from a file name can change: record values are checked below
         if cfg.text_field not in record:
             yield Reject(file, row, shown_id, cfg.text_field, "missing_field", f"no '{cfg.text_field}' field")

@@ -5,6 +5,7 @@
     RUN/cblm/<name>/                                         concept-bottleneck LMs trained on the run
     RUN/report/                                              the HTML report, plots, judge and eval summaries
     RUN/_cache/                                              engine answers and embeddings, reused on resume
+    RUN/_tmp/<stage>/                                        what a global stage spills to disk (removed after it)
 """
 
 CHUNKS = "chunks"
@@ -23,3 +24,4 @@ INDEX = "index"
 CBLM = "cblm"
 REPORT = "report"
 CACHE = "_cache"
+TMP = "_tmp"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import ArtifactError, read_json, read_parquet
+from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.tags import read_tags
@@ -71,3 +73,52 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
         if concept is not None:
             votes[row["chunk_id"]][concept] += 1
     return {chunk: [c for c, _ in sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))] for chunk, v in votes.items()}
+
+
+# --- a library and annotator built by another run (annotate.annotator_from) ---------------------------------------
+
+BOOKKEEPING = ("_shards", "_SUCCESS", "_stats.json", "_source.json")  # a stage's records, not its results
+
+
+def annotator_source(path: str | Path) -> tuple[Path, Path]:
+    """The (annotator folder, library folder) that ``annotate.annotator_from`` names: a finished run, or an
+    annotator folder with its library beside it (``../library``) or inside it (``library/``)."""
+    path = Path(path)
+    if (path / layout.ANNOTATOR / "config.json").is_file():
+        annotator, candidates = path / layout.ANNOTATOR, [path / layout.LIBRARY]
+    elif (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        annotator, candidates = path, [path / layout.LIBRARY, path.parent / layout.LIBRARY]
+    else:
+        raise ArtifactError(f"{path}: annotate.annotator_from must be a finished Atlas run (with {layout.ANNOTATOR}/"
+                            f"config.json) or an annotator folder (config.json, model.safetensors); it is neither")
+    for library in candidates:
+        if (library / "concepts.parquet").is_file() and (library / "config.json").is_file():
+            return annotator, library
+    raise ArtifactError(f"{annotator}: no library beside this annotator (looked for concepts.parquet and config.json "
+                        f"in {' and '.join(str(c) for c in candidates)})")
+
+
+def _result_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".tmp")
+                  and not set(p.relative_to(folder).parts) & set(BOOKKEEPING))
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over the result files of a folder (names and bytes), its stage bookkeeping left out."""
+    return stable_hash({str(p.relative_to(folder)): sha256_bytes(p.read_bytes()) for p in _result_files(folder)})
+
+
+def import_folder(source: Path, target: Path) -> bool:
+    """Make ``target`` a copy of ``source``'s result files (a copy cut short by a kill is redone); False when it
+    already was one. The copy goes to a temporary folder first, so ``target`` is either the old or the new."""
+    if target.is_dir() and folder_digest(target) == folder_digest(source):
+        return False
+    staging = target.with_name(f".{target.name}.import.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    for path in _result_files(source):
+        copy = staging / path.relative_to(source)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return True

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 
 from atlas.core.files import ArtifactError, read_parquet, read_parts
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.outofcore import checked_parts
 
 # One row per (chunk, field, tag).
 TAG_SCHEMA = pa.schema(
@@ -24,6 +27,12 @@ VOCAB_SCHEMA = pa.schema(
 def read_tags(run: RunDir, columns: list[str]) -> pa.Table:
     """The given columns of every tag part, checked against the tag schema."""
     return read_parts(run.parts(layout.TAGS), columns, required=TAG_SCHEMA)
+
+
+def tag_parts(run: RunDir) -> list[Path]:
+    """Every tag part, for a reader that queries the files directly (DuckDB): each is checked to have the tag
+    schema, from its footer alone, so a damaged or foreign part is an ArtifactError that names it."""
+    return checked_parts(run, layout.TAGS, TAG_SCHEMA)
 
 
 def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:

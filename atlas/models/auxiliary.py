@@ -99,17 +99,19 @@ def describe_lists(domains: list[AuxDomain]) -> str:
     return "\n\n".join(blocks)
 
 
-def calibrated_labels(similarity: np.ndarray, domain: AuxDomain, min_z: float,
-                      min_similarity: float) -> list[list[tuple[int, float]]]:
+def calibrated_labels(similarity: np.ndarray, domain: AuxDomain, min_z: float, min_similarity: float,
+                      column_stats: tuple[np.ndarray, np.ndarray] | None = None) -> list[list[tuple[int, float]]]:
     """Offline decision for one domain: ``similarity`` [chunks, labels] -> per chunk (label index, cosine).
 
     Each label is standardized over the chunks (z-score per column), so a label whose description is
     close to everything does not fire everywhere. A label applies when z >= min_z and cosine >=
     min_similarity; at most max_labels per chunk (highest z first); the best ``min_labels`` always.
+    ``column_stats``: the (mean, std) of each column over all the chunks, when ``similarity`` is a block of them.
     """
     if similarity.shape[0] == 0:
         return []
-    mean, std = similarity.mean(axis=0), similarity.std(axis=0) + 1e-6
+    mean, std = column_stats if column_stats is not None else (similarity.mean(axis=0), similarity.std(axis=0))
+    std = std + 1e-6
     z = (similarity - mean) / std
     out = []
     for row_z, row_sim in zip(z, similarity):

@@ -16,6 +16,13 @@ zarr array), and past :data:`ON_DISK_ABOVE` rows writes the inverted lists to ``
 1M x 384 dims, ~2 GB at 100M); an in-memory build holds all codes and ids instead of a part (72 bytes a vector at
 64-byte codes). Searching memory-maps the lists either way, so a loaded index costs page cache, not heap.
 
+The same index can be built as map + merge, the row ranges on any workers (the ``index`` stage does it per annotate
+shard): :func:`train_ivfpq` trains the empty index once, on a seeded sample of all the rows, and writes it;
+:func:`add_part` encodes a range of rows with it into a part file of inverted lists (ids = row numbers);
+:func:`merge_parts` merges the parts, in the order given, into the index. Training, encoding and merging are
+:func:`build_ivfpq`'s own, and every row is encoded by the same FAISS kernel whatever range it is in (see
+``_Encoder.encode``), so parts of consecutive ranges merged in row order give build_ivfpq's index, byte for byte.
+
 Time grows like n * nlist ~ n^1.5: every vector is compared with every coarse centroid (brute force, BLAS), and the
 coarse k-means does the same for the sample. At 1M x 384 on 2 cores that is a few minutes; at 100M it would be many
 hours, and an HNSW coarse quantizer (FAISS ``IVF..._HNSW32``) or a GPU would be the next step.
@@ -25,6 +32,9 @@ Files in the index folder, each written under a temporary name and renamed into 
 - ``index.faiss``: the index (coarse centroids, PQ codebooks and, unless on disk, the inverted lists);
 - ``invlists.ondisk``: the inverted lists of an on-disk index (``index.faiss`` refers to it by name, and
   :func:`load_index` looks for it beside ``index.faiss``, so the folder can be moved).
+
+A map + merge build also has the trained index and the parts, wherever the caller puts them (see :func:`add_part`
+for the part format).
 
 FAISS is imported inside the functions so that importing this module (and the CLI) stays fast.
 """
@@ -37,6 +47,7 @@ import os
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +62,7 @@ INVLISTS_FILE = "invlists.ondisk"
 # but the corpus behind a real run has 10-100x more chunks, and the on-disk build needs only one batch in memory.
 ON_DISK_ABOVE = 2_000_000
 
-# Rows per part file of an on-disk build (whole batches; see _add_on_disk): 72 MB of codes and ids in memory at most,
+# Rows per part file of an on-disk build (whole batches; see _write_parts): 72 MB of codes and ids in memory at most,
 # and ~100 parts for 100M rows.
 PART_ROWS = 1 << 20
 
@@ -137,13 +148,13 @@ def build_ivfpq(
     than 256 rows the sample is repeated up to 256, the least FAISS' 8-bit k-means accepts; the codebooks then simply
     memorize the data.
 
-    In memory (``on_disk`` False) every batch is added to one index written as ``index.faiss``. On disk, the batches'
-    inverted lists go to part files of up to :data:`PART_ROWS` rows in a build folder, and the parts are merged into
-    one ``invlists.ondisk`` (``OnDiskInvertedLists.merge_from_multiple``, as in ``faiss.contrib.ondisk.merge_ondisk``),
-    so memory holds one batch and one part at a time; disk briefly holds the lists twice. ``on_disk=None`` picks on
-    disk above :data:`ON_DISK_ABOVE` rows. Both give the same search results (the same codes in the same lists).
+    In memory (``on_disk`` False) every batch is added to one index written as ``index.faiss``. On disk, the rows are
+    encoded into part files of up to :data:`PART_ROWS` rows in a build folder and the parts are merged into one
+    ``invlists.ondisk``, as :func:`merge_parts` merges the parts of a map + merge build, so memory holds one batch and
+    one part at a time; disk briefly holds the lists twice. ``on_disk=None`` picks on disk above
+    :data:`ON_DISK_ABOVE` rows. Both give the same search results (the same codes in the same lists).
 
-    The build happens in ``folder/.build-<pid>/``; ``index.faiss`` is renamed into place last, after any old one was
+    The build happens in ``folder/.build/``; ``index.faiss`` is renamed into place last, after any old one was
     removed, so the folder holds either the old index, no index, or the new one, never a mix.
 
     Args:
@@ -170,22 +181,11 @@ def build_ivfpq(
     import faiss
 
     n, d = _shape(vectors)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    nlist = nlist_for(n) if nlist is None else int(nlist)
-    if not 1 <= nlist <= n:
-        raise ValueError(f"nlist must be between 1 and n={n}, got {nlist}")
-    train_size = default_train_size(n, nlist) if train_size is None else min(int(train_size), n)
-    if train_size < nlist:
-        raise ValueError(f"train_size ({train_size}) must be at least nlist ({nlist}): k-means needs a point per list")
-    m = pq_m_for(d, code_bytes)
+    nlist, train_size, m = _sizes(n, d, code_bytes, nlist, train_size, batch_size)
     on_disk = n > ON_DISK_ABOVE if on_disk is None else bool(on_disk)
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    build_dir = folder / f".build-{os.getpid()}"
-    shutil.rmtree(build_dir, ignore_errors=True)
-    build_dir.mkdir()
+    build_dir = _fresh_build_dir(folder)
     try:
         with _omp_threads(threads):
             start = time.perf_counter()
@@ -194,28 +194,155 @@ def build_ivfpq(
 
             start = time.perf_counter()
             if on_disk:
-                _add_on_disk(index, vectors, n, batch_size, build_dir, folder, progress)
+                parts = _write_parts(index, vectors, n, batch_size, build_dir, progress)
+                _merge_parts(index, parts, _list_sizes(parts, nlist), build_dir, folder, on_disk=True)
+                for path in parts:
+                    path.unlink()
             else:
                 _add_in_memory(index, vectors, n, batch_size, progress)
             faiss.write_index(index, str(build_dir / INDEX_FILE))
-            code_size = int(index.code_size)
+            facts = _facts(index)
             del index  # closes the on-disk lists' memory map before the file is moved
             _publish(build_dir, folder, on_disk)
             add_seconds = time.perf_counter() - start
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
+    return facts | _files(folder, on_disk, n) | {
+        "train_size": train_size, "train_seconds": round(train_seconds, 3), "add_seconds": round(add_seconds, 3)}
 
-    files = [INDEX_FILE, INVLISTS_FILE] if on_disk else [INDEX_FILE]
-    size = sum((folder / name).stat().st_size for name in files)
-    return {
-        "n": n, "d": d, "nlist": nlist, "m": m, "code_bytes": code_size, "train_size": train_size,
-        "on_disk": on_disk, "files": files, "bytes": size, "bytes_per_vector": size / n,
-        "train_seconds": round(train_seconds, 3), "add_seconds": round(add_seconds, 3),
-    }
+
+# --- map + merge: train once, encode row ranges anywhere, merge their inverted lists ---------------------------------
+
+
+def train_ivfpq(
+    vectors: Any,
+    path: str | Path,
+    *,
+    code_bytes: int = 64,
+    nlist: int | None = None,
+    train_size: int | None = None,
+    batch_size: int = 65536,
+    seed: int = 0,
+    threads: int | None = None,
+) -> dict:
+    """Train an empty IVFPQ index on a sample of all of ``vectors`` and write it to ``path``: map + merge, step 1.
+
+    The training is :func:`build_ivfpq`'s, with the same arguments, defaults and seeds, so that the parts
+    :func:`add_part` encodes with this index and :func:`merge_parts` merges make the index build_ivfpq makes. The
+    file holds the coarse centroids and PQ codebooks (nlist x d x 4 bytes and 256 x d x 4 bytes), no vectors; it is
+    written under a temporary name and renamed into place.
+
+    Returns:
+        ``n``, ``d``, ``nlist``, ``m``, ``code_bytes``, ``train_size``, ``train_seconds``.
+
+    Raises:
+        ValueError: As build_ivfpq.
+    """
+    n, d = _shape(vectors)
+    nlist, train_size, m = _sizes(n, d, code_bytes, nlist, train_size, batch_size)
+    start = time.perf_counter()
+    with _omp_threads(threads):
+        index = _train(vectors, n, d, nlist, m, train_size, batch_size, seed)
+    train_seconds = time.perf_counter() - start
+    _write_index_atomically(index, Path(path))
+    return _facts(index) | {"n": n, "train_size": train_size, "train_seconds": round(train_seconds, 3)}
+
+
+def add_part(
+    trained: str | Path,
+    vectors: Any,
+    start: int,
+    end: int,
+    path: str | Path,
+    *,
+    batch_size: int = 65536,
+    threads: int | None = None,
+) -> int:
+    """Encode rows ``start`` to ``end`` (excluded) of ``vectors`` with the index :func:`train_ivfpq` wrote to
+    ``trained``, and write their inverted lists to the part file ``path``: map + merge, step 2 (any worker).
+
+    Row ``i`` gets id ``i``, the row's number in all of ``vectors``. Rows are read and checked ``batch_size`` at a
+    time, as in :func:`build_ivfpq`; the part's codes and ids are held until it is written, 72 bytes a row at 64-byte
+    codes (7 MB for 100,000 rows). The part is an uncompressed ``.npz`` (numpy's zip of arrays): ``list_sizes``
+    (int64, one per list), ``ids`` (int64) and ``codes`` (uint8, ``code_bytes`` per row) of its rows, grouped by list
+    in list order and in row order within a list. It is written under a temporary name and renamed into place, so a
+    rerun after a kill writes it again, byte for byte.
+
+    Returns:
+        The number of rows encoded.
+
+    Raises:
+        FileNotFoundError: If there is no trained index at ``trained``.
+        ValueError: On a row range outside ``vectors``, vectors of another dimension, or rows that are not unit
+            length.
+    """
+    n, d = _shape(vectors)
+    index = _read_trained(trained)
+    if index.d != d:
+        raise ValueError(f"{trained} indexes {index.d}-dim vectors, these have {d} dims")
+    if not 0 <= start <= end <= n:
+        raise ValueError(f"rows {start}..{end} are not within the {n} rows of vectors")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    with _omp_threads(threads):
+        _write_part(Path(path), *_encode_rows(_Encoder(index), vectors, start, end, batch_size))
+    return end - start
+
+
+def merge_parts(
+    trained: str | Path,
+    parts: list[str | Path],
+    folder: str | Path,
+    *,
+    on_disk: bool | None = None,
+) -> dict:
+    """Merge the part files ``parts`` (from :func:`add_part`, with the index at ``trained``) into the index in
+    ``folder``: map + merge, step 3. List by list, the parts' entries follow each other in the order of ``parts``.
+
+    Parts of consecutive row ranges, given in row order, hold the same codes as :func:`build_ivfpq` makes from the
+    same rows, and the merge puts them in the same lists in the same order: the merged index is the index
+    build_ivfpq makes in one process (the tests compare the two). The lists are sized first from the parts'
+    ``list_sizes``, then each part is read once and copied to its place. In memory (``on_disk`` False) the index
+    holds every list (72 bytes a vector at 64-byte codes); on disk the lists are filled in place in
+    ``invlists.ondisk``, laid out as FAISS' ``OnDiskInvertedLists.merge_from_multiple`` lays them out (the merge of
+    ``faiss.contrib.ondisk.merge_ondisk``), and memory holds one part at a time. ``on_disk=None`` picks on disk above
+    :data:`ON_DISK_ABOVE` vectors. The folder is written as build_ivfpq writes it: in ``folder/.build/``, then
+    ``index.faiss`` renamed into place last. The parts are left alone.
+
+    Returns:
+        ``n``, ``d``, ``nlist``, ``m``, ``code_bytes``, ``parts`` (how many), ``on_disk``, ``files``, ``bytes``,
+        ``bytes_per_vector``, ``merge_seconds``.
+
+    Raises:
+        FileNotFoundError: If the trained index or a part is missing.
+        ValueError: If the parts hold no vectors.
+        atlas.core.files.ArtifactError: If a part is damaged or was made with another index.
+    """
+    import faiss
+
+    start = time.perf_counter()
+    folder, parts = Path(folder), [Path(p) for p in parts]
+    index = _read_trained(trained)
+    sizes = _list_sizes(parts, faiss.extract_index_ivf(index).nlist)
+    n = int(sizes.sum())
+    if n == 0:
+        raise ValueError(f"nothing to merge: the {len(parts)} part(s) hold no vectors")
+    on_disk = n > ON_DISK_ABOVE if on_disk is None else bool(on_disk)
+    build_dir = _fresh_build_dir(folder)
+    try:
+        _merge_parts(index, parts, sizes, build_dir, folder, on_disk)
+        faiss.write_index(index, str(build_dir / INDEX_FILE))
+        facts = _facts(index)
+        del index  # closes the on-disk lists' memory map before the file is moved
+        _publish(build_dir, folder, on_disk)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return facts | _files(folder, on_disk, n) | {
+        "parts": len(parts), "merge_seconds": round(time.perf_counter() - start, 3)}
 
 
 def load_index(folder: str | Path, nprobe: int = 16, mmap: bool = True):
-    """Read the index that :func:`build_ivfpq` wrote to ``folder`` and set its ``nprobe``.
+    """Read the index that :func:`build_ivfpq` or :func:`merge_parts` wrote to ``folder`` and set its ``nprobe``.
 
     With ``mmap`` the inverted lists of an in-memory index are memory-mapped from ``index.faiss``
     (``IO_FLAG_MMAP``) instead of read into the heap: opening is instant and the OS pages in what queries touch.
@@ -425,9 +552,23 @@ def _rerank(queries: np.ndarray, candidates: np.ndarray, vectors: Any, k: int) -
     return np.take_along_axis(exact, order, axis=1), np.take_along_axis(candidates, order, axis=1)
 
 
-def _batches(vectors: Any, n: int, batch_size: int) -> Iterator[tuple[int, np.ndarray]]:
-    for start in range(0, n, batch_size):
-        yield start, _unit_rows(vectors[start:min(n, start + batch_size)], start)
+def _batches(vectors: Any, start: int, end: int, batch_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    for first in range(start, end, batch_size):
+        yield first, _unit_rows(vectors[first:min(end, first + batch_size)], first)
+
+
+def _sizes(n: int, d: int, code_bytes: int, nlist: int | None, train_size: int | None,
+           batch_size: int) -> tuple[int, int, int]:
+    """``nlist``, ``train_size`` and ``m`` for ``n`` rows of ``d`` dims (None: the documented defaults), checked."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    nlist = nlist_for(n) if nlist is None else int(nlist)
+    if not 1 <= nlist <= n:
+        raise ValueError(f"nlist must be between 1 and n={n}, got {nlist}")
+    train_size = default_train_size(n, nlist) if train_size is None else min(int(train_size), n)
+    if train_size < nlist:
+        raise ValueError(f"train_size ({train_size}) must be at least nlist ({nlist}): k-means needs a point per list")
+    return nlist, train_size, pq_m_for(d, code_bytes)
 
 
 def _train(vectors: Any, n: int, d: int, nlist: int, m: int, train_size: int, batch_size: int, seed: int):
@@ -453,32 +594,58 @@ def _train(vectors: Any, n: int, d: int, nlist: int, m: int, train_size: int, ba
     return index
 
 
+def _read_trained(path: str | Path):
+    """The empty trained index :func:`train_ivfpq` wrote to ``path``."""
+    import faiss
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no trained index at {path}: train one with atlas.models.ivfpq.train_ivfpq")
+    index = faiss.read_index(str(path))
+    if not index.is_trained or index.ntotal != 0:
+        raise ValueError(f"{path}: not an empty trained index ({index.ntotal} vectors, trained: {index.is_trained})")
+    return index
+
+
 class _Encoder:
-    """Encodes vectors exactly as ``IndexIVFPQ.sa_encode`` does (list number + PQ code), several times faster.
+    """Encodes vectors as ``IndexIVFPQ.sa_encode`` does (list number + PQ code), several times faster.
 
     FAISS' default encoder has fast kernels for some sub-vector sizes only (4 and 8 dims were fast here, 6 and 12
     were not); 384 dims in 64 sub-quantizers gives 6, and encoding then dominated the build (~9 s per 65,536 vectors
     here, against ~1.4 s through the BLAS path below). The BLAS path is FAISS' own
     ``compute_codes_with_assign_index`` (nearest codeword by an ``IndexFlatL2`` search per sub-quantizer), and the
     residuals and list numbers are computed as ``IndexIVFPQ`` computes them, so the codes are the same (the tests
-    compare them with ``sa_encode``); ``add_sa_codes`` then stores them where ``add_with_ids`` would.
+    compare them with ``sa_encode``), but for a rare near tie that FAISS' kernels round differently (see
+    :meth:`encode`); ``add_sa_codes`` then stores them where ``add_with_ids`` would.
     """
 
     def __init__(self, index) -> None:
         import faiss
 
+        self.index = index  # self.ivf is a view into it, not a reference that keeps it alive
         self.ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         self.centroids = self.ivf.quantizer.reconstruct_n(0, self.ivf.nlist)
         self.assign_index = faiss.IndexFlatL2(self.ivf.pq.dsub)
         self.listno_bytes = self.ivf.coarse_code_size()
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The list number (int64) and the PQ code (``pq.code_size`` bytes) of each row of ``x``.
+
+        FAISS picks its nearest-codeword kernel by batch size: below ``distance_compute_blas_threshold`` values (rows
+        x sub-vector dims, ~21,000 rows at 6 dims) a row-by-row loop, 3-8x slower here for 6 dims, which can round a
+        near tie the other way. A shorter batch is padded up to that size (with copies of its first row), so every row
+        is encoded by the same kernel whatever batch, part or shard it is in: a shard's codes are those of the
+        one-process build, byte for byte, and a small shard is encoded at full speed.
+        """
         import faiss
 
+        n = len(x)
+        short = -(-faiss.cvar.distance_compute_blas_threshold // self.ivf.pq.dsub) - n
+        if short > 0:
+            x = np.concatenate([x, np.repeat(x[:1], short, axis=0)])
         _, lists = self.ivf.quantizer.search(x, 1)
         lists = lists[:, 0]
         residuals = np.ascontiguousarray(x - self.centroids[lists]) if self.ivf.by_residual else x
-        codes = np.empty((len(x), self.listno_bytes + self.ivf.pq.code_size), dtype=np.uint8)
         pq_codes = np.empty((len(x), self.ivf.pq.code_size), dtype=np.uint8)
         pq = self.ivf.pq
         pq.assign_index = self.assign_index  # a borrowed pointer: reset before anything copies or frees the PQ
@@ -486,6 +653,12 @@ class _Encoder:
             pq.compute_codes_with_assign_index(faiss.swig_ptr(residuals), faiss.swig_ptr(pq_codes), len(x))
         finally:
             pq.assign_index = None
+        return lists[:n], pq_codes[:n]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The codes as ``sa_encode`` gives them, for ``add_sa_codes``: the list number, then the PQ code."""
+        lists, pq_codes = self.encode(x)
+        codes = np.empty((len(x), self.listno_bytes + pq_codes.shape[1]), dtype=np.uint8)
         # FAISS' encode_listno: the list number in the first coarse_code_size() bytes, little-endian.
         codes[:, :self.listno_bytes] = lists.astype("<i8").view(np.uint8).reshape(-1, 8)[:, :self.listno_bytes]
         codes[:, self.listno_bytes:] = pq_codes
@@ -494,76 +667,160 @@ class _Encoder:
 
 def _add_in_memory(index, vectors: Any, n: int, batch_size: int, progress: ProgressFn | None) -> None:
     encode = _Encoder(index)
-    for start, x in _batches(vectors, n, batch_size):
+    for start, x in _batches(vectors, 0, n, batch_size):
         index.add_sa_codes(encode(x), np.arange(start, start + len(x), dtype=np.int64))
         if progress is not None:
             progress(start + len(x), n)
 
 
-def _add_on_disk(index, vectors: Any, n: int, batch_size: int, build_dir: Path, folder: Path,
-                 progress: ProgressFn | None) -> None:
-    """Encode the batches into part files of inverted lists, then merge the parts into ``build_dir/invlists.ondisk``.
+def _encode_rows(encode: _Encoder, vectors: Any, start: int, end: int, batch_size: int,
+                 progress: ProgressFn | None = None, n: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``start`` to ``end`` of ``vectors`` as a part's inverted lists: ``(list_sizes, ids, codes)``, the entries
+    grouped by list, in list order, and in row order within a list (as adding the rows in order fills each list)."""
+    lists = np.empty(end - start, dtype=np.int64)
+    codes = np.empty((end - start, encode.ivf.pq.code_size), dtype=np.uint8)
+    for first, x in _batches(vectors, start, end, batch_size):
+        at = slice(first - start, first - start + len(x))
+        lists[at], codes[at] = encode.encode(x)
+        if progress is not None:
+            progress(first + len(x), n)
+    order = np.argsort(lists, kind="stable")
+    return np.bincount(lists, minlength=encode.ivf.nlist), start + order, codes[order]
 
-    The plan of ``faiss.contrib.ondisk.merge_ondisk``, done differently in three ways:
 
-    - A part holds only lists (codes and ids), as an ``OnDiskInvertedLists`` file; a partial index would also store
-      the coarse centroids, nlist * d * 4 bytes per part (6 MB at 1M rows, 50 MB at 100M).
-    - A part gathers batches up to ``PART_ROWS`` rows (at least one batch): each part keeps nlist * 24 bytes of list
-      metadata in memory until the merge, which per 65,536-row batch would be 1.2 GB over a 100M-row build.
-    - The parts are made by the ``OnDiskInvertedLists`` constructor and freed after the merge. merge_ondisk reads
-      partial indexes back with ``IO_FLAG_MMAP`` and never frees their lists: freeing those (read-only, mapped)
-      lists from Python corrupted the heap in our tries, which is presumably why it leaks them on purpose.
+def _write_parts(index, vectors: Any, n: int, batch_size: int, build_dir: Path,
+                 progress: ProgressFn | None) -> list[Path]:
+    """Encode all rows into part files in ``build_dir`` (build_ivfpq on disk): whole batches, at least
+    :data:`PART_ROWS` rows a part (the last one shorter), so memory holds one part's codes and ids at a time."""
+    encode = _Encoder(index)
+    part_rows = -(-PART_ROWS // batch_size) * batch_size
+    parts = []
+    for start in range(0, n, part_rows):
+        path = build_dir / f"part-{len(parts):06d}.npz"
+        _write_part(path, *_encode_rows(encode, vectors, start, min(n, start + part_rows), batch_size, progress, n))
+        parts.append(path)
+    return parts
+
+
+def _write_part(path: Path, list_sizes: np.ndarray, ids: np.ndarray, codes: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")  # one name per part: a rerun after a kill writes over its leftover
+    with open(tmp, "wb") as f:
+        np.savez(f, list_sizes=list_sizes, ids=ids, codes=codes)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_part(path: Path, *names: str) -> list[np.ndarray]:
+    """The arrays ``names`` of a part file (an npz reads only the members asked for)."""
+    from atlas.core.files import ArtifactError
+
+    if not path.is_file():
+        raise FileNotFoundError(f"index part {path} is missing")
+    try:
+        with np.load(path, allow_pickle=False) as part:
+            return [part[name] for name in names]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise ArtifactError(f"{path}: not a readable index part ({type(e).__name__}: {e}); write it again") from None
+
+
+def _read_part(path: Path, nlist: int, code_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A part's ``(list_sizes, ids, codes)``, checked against the index it is merged into."""
+    from atlas.core.files import ArtifactError
+
+    list_sizes, ids, codes = _load_part(path, "list_sizes", "ids", "codes")
+    if list_sizes.shape != (nlist,) or ids.shape != (int(list_sizes.sum()),) or codes.shape != (len(ids), code_size):
+        raise ArtifactError(f"{path}: an index part of another index (list_sizes {list_sizes.shape}, ids "
+                            f"{ids.shape}, codes {codes.shape}; this index has {nlist} lists of {code_size}-byte "
+                            "codes); write it again")
+    return list_sizes, ids, codes
+
+
+def _list_sizes(parts: list[Path], nlist: int) -> np.ndarray:
+    """The size of every list once all ``parts`` are merged (only their ``list_sizes`` are read)."""
+    from atlas.core.files import ArtifactError
+
+    sizes = np.zeros(nlist, dtype=np.int64)
+    for path in parts:
+        [part_sizes] = _load_part(path, "list_sizes")
+        if part_sizes.shape != (nlist,):
+            raise ArtifactError(f"{path}: an index part with {len(part_sizes)} lists, this index has {nlist}")
+        sizes += part_sizes
+    return sizes
+
+
+def _merge_parts(index, parts: list[Path], sizes: np.ndarray, build_dir: Path, folder: Path, on_disk: bool) -> None:
+    """Fill the empty lists of ``index`` with the entries of ``parts``, part after part; ``sizes``: the lists' sizes
+    once merged (:func:`_list_sizes`).
+
+    Every list is given its final size first, then each part's entries are copied to their place: one pass over the
+    parts, and no list is ever moved or grown (appending would reallocate each list several times, and on disk leave
+    holes). On disk, the lists go to a new ``OnDiskInvertedLists`` in ``build_dir``, back to back in list order, as its
+    ``merge_from_multiple`` would place them; that needs every part open at once, this one part at a time.
     """
     import faiss
 
     ivf = faiss.extract_index_ivf(index)
-    encode = _Encoder(index)
-    parts = []  # OnDiskInvertedLists, one per part file, owned by Python
-
-    def fresh_lists():
-        lists = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
-        ivf.replace_invlists(lists, False)  # the index writes into them; Python owns them
-        return lists
-
-    def write_part(lists) -> None:
-        part = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(build_dir / f"part-{len(parts):06d}.ivfdata"))
-        _merge_lists(part, [lists])
-        parts.append(part)
-
-    lists, rows_in_part = fresh_lists(), 0
-    for start, x in _batches(vectors, n, batch_size):
-        index.add_sa_codes(encode(x), np.arange(start, start + len(x), dtype=np.int64))
-        rows_in_part += len(x)
-        if rows_in_part >= PART_ROWS:
-            write_part(lists)
-            lists, rows_in_part = fresh_lists(), 0
-        if progress is not None:
-            progress(start + len(x), n)
-    if rows_in_part:
-        write_part(lists)
-
-    invlists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(build_dir / INVLISTS_FILE))
-    ntotal = _merge_lists(invlists, parts)
-    # The path written into index.faiss: where the file will be once published (load_index ignores it anyway).
-    invlists.filename = str((folder / INVLISTS_FILE).absolute())
-    ivf.replace_invlists(invlists, True)
-    invlists.this.disown()  # the index owns it now
-    index.ntotal = ivf.ntotal = ntotal
-    del lists
-    parts.clear()  # unmaps the parts
-    for path in build_dir.glob("part-*.ivfdata"):
-        path.unlink()
+    if on_disk:
+        lists = faiss.OnDiskInvertedLists(ivf.nlist, ivf.code_size, str(build_dir / INVLISTS_FILE))
+        with _stdout_to_stderr():  # FAISS prints "resizing <file>" on stdout
+            lists.update_totsize(int(sizes.sum()) * (ivf.code_size + 8))  # a code and an int64 id per entry
+        final_sizes = sizes.astype(np.uint64)  # size_t; kept in a name while FAISS reads it
+        lists.set_all_lists_sizes(faiss.swig_ptr(final_sizes))
+    else:
+        lists = faiss.downcast_InvertedLists(ivf.invlists)  # the index's own, empty ArrayInvertedLists
+        for list_no in np.flatnonzero(sizes).tolist():
+            lists.resize(list_no, int(sizes[list_no]))
+    filled = np.zeros(ivf.nlist, dtype=np.int64)  # entries already copied into each list
+    for path in parts:
+        part_sizes, ids, codes = _read_part(path, ivf.nlist, ivf.code_size)
+        first = np.cumsum(part_sizes) - part_sizes  # where each list starts in the part
+        for list_no in np.flatnonzero(part_sizes).tolist():
+            a, b = int(first[list_no]), int(first[list_no] + part_sizes[list_no])
+            lists.update_entries(list_no, int(filled[list_no]), b - a, faiss.swig_ptr(ids[a:b]),
+                                 faiss.swig_ptr(codes[a:b]))
+        filled += part_sizes
+    if on_disk:
+        # The path written into index.faiss: where the file will be once published (load_index ignores it anyway).
+        lists.filename = str((folder / INVLISTS_FILE).absolute())
+        ivf.replace_invlists(lists, True)
+        lists.this.disown()  # the index owns it now
+    index.ntotal = ivf.ntotal = int(sizes.sum())
 
 
-def _merge_lists(target, sources: list) -> int:
-    """Merge ``sources`` (inverted lists) into the empty on-disk ``target``, list by list in order; the entry count."""
+def _facts(index) -> dict:
     import faiss
 
-    pointers = faiss.InvertedListsPtrVector()
-    for source in sources:
-        pointers.push_back(source)
-    with _stdout_to_stderr():  # FAISS prints "resizing <file>" on stdout
-        return int(target.merge_from_multiple(pointers.data(), pointers.size(), False))
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+    return {"n": int(index.ntotal), "d": int(index.d), "nlist": int(ivf.nlist), "m": int(ivf.pq.M),
+            "code_bytes": int(ivf.code_size)}
+
+
+def _files(folder: Path, on_disk: bool, n: int) -> dict:
+    files = [INDEX_FILE, INVLISTS_FILE] if on_disk else [INDEX_FILE]
+    size = sum((folder / name).stat().st_size for name in files)
+    return {"on_disk": on_disk, "files": files, "bytes": size, "bytes_per_vector": size / n}
+
+
+def _fresh_build_dir(folder: Path) -> Path:
+    """``folder/.build``, created empty. A build killed midway leaves it behind, and the next build clears it: one
+    build at a time per folder (the run lock sees to that for the index stage)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    build_dir = folder / ".build"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    build_dir.mkdir()
+    return build_dir
+
+
+def _write_index_atomically(index, path: Path) -> None:
+    import faiss
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    faiss.write_index(index, str(tmp))
+    _fsync(tmp)
+    os.replace(tmp, path)
 
 
 def _publish(build_dir: Path, folder: Path, on_disk: bool) -> None:

@@ -18,3 +18,7 @@ STAGES = {
     for stage in (ChunkStage, TagStage, VocabStage, ClusterStage, CoherenceStage, LabelStage, LibraryStage,
                   TargetsStage, TrainAnnotatorStage, AnnotateStage, TokenizeStage, IndexStage)
 }
+
+# The stages that build the library and train the annotator from the tagged sample. A run with
+# annotate.annotator_from uses another run's annotator and runs none of them.
+LIBRARY_STAGES = ("tag", "vocab", "cluster", "coherence", "label", "library", "targets", "train_annotator")

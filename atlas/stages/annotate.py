@@ -13,6 +13,12 @@ gives both, and it goes to ``RUN/embeddings.zarr`` (float16, L2-normalized; see
 ``atlas.io.embedding_store``) at the chunk's global row, so row i of the annotated parts read in shard order
 is row i of the embeddings. Chunks are read, encoded and written in blocks of
 ``annotate.block_rows``, so memory does not grow with the shard or the corpus.
+
+**An annotator built elsewhere** (``annotate.annotator_from``: a finished run, or an annotator folder with its
+library): the run chunks, annotates, tokenizes and indexes without tagging. The plan copies that annotator and
+library into this run's ``annotator/`` and ``library/`` (so every reader of the run finds them where it always
+does), checks the library against the annotator's recorded sha256, and writes where they came from to
+``annotator/_source.json``. Their digests are part of this stage's identity: a retrained annotator reruns it.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from atlas.io import layout
 from atlas.io.embedding_store import ID_ARRAYS, create_store, finish, write_rows
 
 ANNOTATE_VERSION = 1
+SOURCE_FILE = "_source.json"  # in RUN/annotator/ of a run with annotate.annotator_from
 CHUNK_COLUMNS = ("chunk_text", *ID_ARRAYS)  # what a chunk part must hold for this stage (all of it is copied)
 
 
@@ -46,13 +53,40 @@ class AnnotateStage(Stage):
     needs = ("embed",)
     extra_outputs = (layout.EMBEDDINGS,)
 
+    def __init__(self, config):
+        super().__init__(config)
+        if config.annotate.annotator_from:  # no library stages in this run: its annotator comes from elsewhere
+            self.upstream = ("chunk",)
+            self.extra_outputs = (layout.EMBEDDINGS, layout.LIBRARY, layout.ANNOTATOR)
+
     def identity(self) -> dict:
         c = self.config.annotate
-        return {"version": ANNOTATE_VERSION, "block_rows": c.block_rows, "chunk_rows": c.zarr_chunk_rows,
-                "encode_batch_size": c.batch_size}
+        identity = {"version": ANNOTATE_VERSION, "block_rows": c.block_rows, "chunk_rows": c.zarr_chunk_rows,
+                    "encode_batch_size": c.batch_size}
+        if c.annotator_from:
+            from atlas.io.library import annotator_source, folder_digest
+
+            annotator, library = annotator_source(c.annotator_from)
+            identity["annotator_from"] = {"annotator": folder_digest(annotator), "library": folder_digest(library)}
+        return identity
+
+    def _import_annotator(self, run: RunDir) -> None:
+        """Copy the annotator and library of ``annotate.annotator_from`` into this run (once; see the docstring)."""
+        from atlas.io.library import annotator_source, import_folder
+
+        annotator, library = annotator_source(self.config.annotate.annotator_from)
+        import_folder(library, run.output_dir(layout.LIBRARY))
+        import_folder(annotator, run.output_dir(layout.ANNOTATOR))
+        self._checked_annotator(run)  # the copied library is the file the annotator was trained on
+        trained_on = read_json(annotator / "config.json").get("library_sha256")
+        source = {"annotator_from": str(self.config.annotate.annotator_from), "annotator": str(annotator),
+                  "library": str(library), "library_sha256": trained_on}
+        atomic_write_json(run.output_dir(layout.ANNOTATOR) / SOURCE_FILE, source)
 
     def plan(self, run: RunDir, stage_hash: str) -> int:
         """Row offsets of every shard in the embedding store, and the store itself (once per hash)."""
+        if self.config.annotate.annotator_from:
+            self._import_annotator(run)
         n_shards = run.read_manifest()["stages"]["chunk"]["num_shards"]
         if not (run.success_path(layout.CHUNKS).exists()
                 and (run.output_dir(layout.ANNOTATOR) / "config.json").exists()):

@@ -13,8 +13,8 @@ Each chunk's text is exactly ``text[char_start:char_end]`` of its document (Pyth
 offsets), and only whitespace between chunks is left out. Packing decisions use one cl100k_base
 pass over the whole document (every token is given to the sentence or line in which it ends).
 ``n_tokens`` is then, by default, the exact length of ``encode_ordinary(chunk_text)``, the count
-the tokenize stage will see; only the few words before the first and after the last safe
-pre-token boundary of each chunk are encoded again (see ``_exact_count``). With
+the tokenize stage will see; only the few characters before the first and after the last safe
+pre-token boundary of each chunk are encoded again (see ``Chunker._count_exactly``). With
 ``chunk.exact_token_counts: false`` it is the in-context count of the first pass, which differs
 by one token in about one chunk in ten (measured on the dev corpus).
 """
@@ -24,7 +24,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
+import threading
+from bisect import bisect_left, bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import CHUNK_SCHEMA
-from atlas.io.inputs import Document, Reject, list_input_files, plan_shards, read_shard
+from atlas.io.inputs import PLAN_VERSION, Document, Reject, list_input_files, plan_shards, read_shard
 
 CHUNKER_VERSION = 2  # bump when the algorithm changes, so finished runs are recomputed
 
@@ -62,7 +63,11 @@ class _BlingFire:
 
     blingfire's Python wrapper maps offsets to characters with a per-byte Python loop, which
     costs more than the split itself; we keep byte offsets and map them with numpy instead.
+    Each thread keeps its output buffers from one text to the next (texts up to ``KEEP`` bytes):
+    allocating them for every text costs about a tenth of the split.
     """
+
+    KEEP = 1 << 20
 
     def __init__(self):
         import blingfire
@@ -71,18 +76,28 @@ class _BlingFire:
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                             ctypes.c_int]
+        self.kept = threading.local()  # the threads of a worker share one Chunker
+
+    @staticmethod
+    def _buffers(capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The output buffers (the sentences joined by newlines, their starts, their ends) and their addresses."""
+        out = np.empty(capacity, dtype=np.uint8)
+        starts, ends = np.empty(capacity, dtype=np.int32), np.empty(capacity, dtype=np.int32)
+        return out, starts, ends, [out.ctypes.data, starts.ctypes.data, ends.ctypes.data]
 
     def spans(self, data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
         n = len(data)
         cap = 2 * n + 1  # the library's own wrapper sizes its buffers this way
-        out = np.empty(cap, dtype=np.uint8)  # the sentences joined by newlines; only the count is used
-        starts = np.empty(cap, dtype=np.int32)
-        ends = np.empty(cap, dtype=np.int32)
-        written = self.fn(data, n, out.ctypes.data, starts.ctypes.data, ends.ctypes.data, cap)
+        if n > self.KEEP:
+            buffers = self._buffers(cap)
+        elif (buffers := getattr(self.kept, "buffers", None)) is None:
+            buffers = self.kept.buffers = self._buffers(2 * self.KEEP + 1)
+        _, starts, ends, addresses = buffers
+        written = self.fn(data, n, *addresses, cap)
         if written < 0 or written > cap:
             return None
-        count = int(np.count_nonzero(out[: max(written - 1, 0)] == 10)) + 1
-        return starts[:count].astype(np.int64), ends[:count].astype(np.int64) + 1  # end: exclusive
+        count = ctypes.string_at(addresses[0], max(written - 1, 0)).count(b"\n") + 1  # of sentences
+        return starts[:count].astype(np.int64), ends[:count].astype(np.int64) + 1  # copies; end: exclusive
 
 
 # Both splitters see every line terminator str.splitlines knows as b"\n", at the same byte offsets: \r, \v, \f and
@@ -95,7 +110,7 @@ _MULTI_BYTE_BREAKS = ((b"\r\n", b" \n"), ("\x85".encode(), b" \n"), ("\u2028".en
 
 
 def _unify_line_breaks(data: bytes) -> bytes:
-    for old, new in _MULTI_BYTE_BREAKS:
+    for old, new in _MULTI_BYTE_BREAKS[: 1 if data.isascii() else None]:
         data = data.replace(old, new)
     return data.translate(_ONE_BYTE_BREAKS)
 
@@ -128,131 +143,162 @@ def _pack(counts: list[int], max_tokens: int) -> list[tuple[int, int]]:
 
 @dataclass(slots=True)
 class Span:
-    start: int  # byte offsets
+    start: int  # string offsets in the document
     end: int
     n_tokens: int
 
 
-# A space between two ASCII letters is a pre-token boundary of cl100k_base in any context: the
-# letter run before it ends there and " word" starts there. Tokens between two such points are the
-# same whether the document or only the chunk is encoded.
-_SAFE_BOUNDARY = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+def _starts_pretoken_table() -> np.ndarray:
+    """[byte before, byte at] -> True where an ASCII letter is followed by an ASCII character that is not a letter.
+
+    cl100k_base starts a new pre-token there in any context: a letter run ends at the first non-letter, and no other
+    part of its pattern can hold a letter and reach past it.
+    """
+    codes = np.arange(256)
+    letter = ((codes >= ord("A")) & (codes <= ord("Z"))) | ((codes >= ord("a")) & (codes <= ord("z")))
+    return letter[:, None] & ((codes < 128) & ~letter)[None, :]
+
+
+_STARTS_PRETOKEN = _starts_pretoken_table()
 
 
 class Chunker:
     """Splits one document into chunks; holds the tokenizer and sentence splitter."""
 
     def __init__(self, max_sentence_tokens: int, exact_token_counts: bool = True):
-        from atlas.models.tokenizer import cl100k, token_byte_lengths
+        from atlas.models.tokenizer import cl100k, ordinary_to_numpy, token_byte_lengths
 
         self.enc = cl100k()
+        self.encode_to_numpy = ordinary_to_numpy()  # the whole document's ids, without a list of ints
         self.token_lengths = token_byte_lengths()
         self.blingfire = _BlingFire()
         self.max_sentence_tokens = max_sentence_tokens
         self.exact_token_counts = exact_token_counts
 
-    def _units(self, data: bytes, domain: ChunkDomain) -> tuple[list[list[Span]], np.ndarray]:
-        """Units (sentences or lines) with their byte spans, in packing groups, and the token end offsets.
+    def _units(self, text: str, data: bytes,
+               domain: ChunkDomain) -> tuple[list[int], list[int], list[int], list[int], np.ndarray]:
+        """Units (sentences or lines) as byte starts and ends, the tokens before each unit (and after the last), the
+        units where a packing group starts, and the byte end of every token of one whole-document encoding.
 
-        Sentences form one group; code lines form one group per blank-line-separated block. Every
-        token of one whole-document encoding is given to the unit it ends in.
+        Every token is given to the unit it ends in (tokens before the first unit to the first one, a blank line's
+        to the line before). Sentences form one group; code lines form one group per blank-line-separated block.
         """
         if domain.splitter == "sentences":
             spans = self.blingfire.spans(_unify_line_breaks(data))
             if spans is None:  # the splitter refused the text: fall back to lines
-                return self._units(data, ChunkDomain(max_tokens=domain.max_tokens, splitter="lines"))
+                return self._units(text, data, ChunkDomain(max_tokens=domain.max_tokens, splitter="lines"))
             starts, ends = spans
-            line_numbers = None
+            group_starts = [0]
         else:
             starts, ends, blank = _line_spans(_unify_line_breaks(data))
-            line_numbers = np.flatnonzero(~blank)  # blank lines are not units; their tokens go to the line before
+            line_numbers = np.flatnonzero(~blank)  # blank lines are not units
             starts, ends = starts[line_numbers], ends[line_numbers]
-        ids = np.asarray(self.enc.encode_ordinary(data.decode("utf-8")), dtype=np.int64)
-        token_ends = np.cumsum(self.token_lengths[ids])
-        owner = np.searchsorted(starts, token_ends - 1, side="right") - 1
-        counts = np.bincount(np.clip(owner, 0, None), minlength=len(starts)).tolist()
-        units = [Span(s, e, n) for s, e, n in zip(starts.tolist(), ends.tolist(), counts)]
-        if line_numbers is None:
-            return [units], token_ends
-        # Code: a new block starts wherever blank lines separate two consecutive units.
-        block_starts = np.flatnonzero(np.diff(line_numbers) > 1) + 1
-        bounds = [0, *block_starts.tolist(), len(units)]
-        return [units[a:b] for a, b in zip(bounds, bounds[1:]) if a < b], token_ends
+            # Code: a new block starts wherever blank lines separate two consecutive units.
+            group_starts = [0, *(np.flatnonzero(np.diff(line_numbers) > 1) + 1).tolist()]
+        # Array methods rather than numpy's functions: on short documents the cost per call counts.
+        token_ends = self.token_lengths[self.encode_to_numpy(text)].cumsum()
+        before = token_ends.searchsorted(starts, side="right").tolist()  # the tokens that end before each unit
+        if before:
+            before[0] = 0
+        return starts.tolist(), ends.tolist(), [*before, len(token_ends)], group_starts, token_ends
 
-    def _exact_count(self, text: str, start: int, end: int, token_ends: np.ndarray, byte_of_char) -> int:
-        """len(encode_ordinary(text[start:end])), reusing the whole-document tokens of the chunk's middle.
+    def _ranges(self, before: list[int], group_starts: list[int], splitter: str,
+                max_tokens: int, stats: Stats) -> list[tuple[int, int]]:
+        """The chunks as [first, last) ranges of units (``before``: tokens before each unit, then the total).
 
-        Only the head before the first safe boundary and the tail after the last one are encoded
-        again; a chunk without a safe boundary is encoded whole.
+        A unit over max_sentence_tokens is dropped and ends the chunk before it. Sentences are packed greedily; code
+        joins whole blocks while they fit, and a block over the threshold is cut between lines.
         """
-        first = _SAFE_BOUNDARY.search(text, start, end)
-        if first is None:
-            return len(self.enc.encode_ordinary(text[start:end]))
-        last = first
-        for match in _SAFE_BOUNDARY.finditer(text, max(first.start(), end - 64), end):
-            last = match
-        b1, b2 = byte_of_char(first.start()), byte_of_char(last.start())
-        i1, i2 = np.searchsorted(token_ends, (b1, b2), side="right")
-        if token_ends[i1 - 1] != b1 or token_ends[i2 - 1] != b2:  # not token boundaries after all: be safe
-            return len(self.enc.encode_ordinary(text[start:end]))
-        head = self.enc.encode_ordinary(text[start : first.start()])
-        tail = self.enc.encode_ordinary(text[last.start() : end])
-        return len(head) + int(i2 - i1) + len(tail)
+        tokens = [b - a for a, b in zip(before, before[1:])]
+        too_long = [unit for unit, n in enumerate(tokens) if n > self.max_sentence_tokens]
+        ranges: list[tuple[int, int]] = []
+
+        def flush(first: int, last: int) -> None:
+            ranges.extend((first + a, first + b) for a, b in _pack(tokens[first:last], max_tokens))
+
+        pending = 0  # units [pending, kept) wait to be joined with the ones after them (code: whole blocks)
+        for start, stop in zip(group_starts, [*group_starts[1:], len(tokens)]):
+            kept = start  # units [kept, stop) of this group are kept
+            for unit in too_long[bisect_left(too_long, start) : bisect_left(too_long, stop)]:
+                stats.inc("sentences_dropped")
+                stats.inc("sentence_tokens_dropped", tokens[unit])
+                flush(pending, unit)  # a dropped sentence also ends the chunk before it
+                pending = kept = unit + 1
+            if splitter == "lines":
+                block_tokens = before[stop] - before[kept]
+                if pending < kept and before[kept] - before[pending] + block_tokens > max_tokens:
+                    flush(pending, kept)
+                    pending = kept
+                if block_tokens > max_tokens:
+                    flush(kept, stop)
+                    pending = stop
+            else:
+                flush(pending, stop)
+                pending = stop
+        flush(pending, len(tokens))
+        return ranges
 
     def split(self, text: str, domain: ChunkDomain, stats: Stats) -> list[Span]:
         """Chunks of one document as character spans (start, end, n_tokens)."""
+        if not text:  # BlingFire would make one sentence of it
+            return []
         data = text.encode("utf-8")
-        groups, token_ends = self._units(data, domain)
-        chunks: list[Span] = []
-        pending: list[Span] = []  # code: whole blocks waiting to be joined with the next ones
-
-        def flush(units: list[Span]) -> None:
-            for first, last in _pack([u.n_tokens for u in units], domain.max_tokens):
-                part = units[first:last]
-                chunks.append(Span(part[0].start, part[-1].end, sum(u.n_tokens for u in part)))
-
-        for group in groups:
-            kept = []
-            for unit in group:
-                if unit.n_tokens > self.max_sentence_tokens:
-                    stats.inc("sentences_dropped")
-                    stats.inc("sentence_tokens_dropped", unit.n_tokens)
-                    flush(pending + kept)  # a dropped sentence also ends the chunk before it
-                    pending, kept = [], []
-                else:
-                    kept.append(unit)
-            if domain.splitter == "lines":
-                # Join whole blocks while they fit; a block over the threshold is cut between lines.
-                block_tokens = sum(u.n_tokens for u in kept)
-                if pending and sum(u.n_tokens for u in pending) + block_tokens > domain.max_tokens:
-                    flush(pending)
-                    pending = []
-                if block_tokens > domain.max_tokens:
-                    flush(kept)
-                else:
-                    pending.extend(kept)
-            else:
-                flush(kept)
-        flush(pending)
-
-        if len(data) == len(text):  # ASCII: byte and string offsets agree
-            char_of_byte = byte_of_char = lambda i: i  # noqa: E731
-        else:
-            is_char_start = (np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80
-            char_of_byte = (np.cumsum(is_char_start) - 1).__getitem__
-            byte_of_char = np.flatnonzero(is_char_start).__getitem__
-        result = []
-        for c in chunks:
-            start, end = int(char_of_byte(c.start)), int(char_of_byte(c.end - 1)) + 1
-            piece = text[start:end]  # BlingFire spans can carry whitespace at their ends; code keeps its indentation
-            if domain.splitter == "sentences":
-                start += len(piece) - len(piece.lstrip())
-            end -= len(piece) - len(piece.rstrip())
+        starts, ends, before, group_starts, token_ends = self._units(text, data, domain)
+        char_of_byte = None  # ASCII: byte and string offsets agree
+        if len(data) != len(text):
+            char_of_byte = np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80) - 1
+        strip_start = domain.splitter == "sentences"  # BlingFire spans can carry whitespace; code keeps its indent
+        chunks = []
+        for first, last in self._ranges(before, group_starts, domain.splitter, domain.max_tokens, stats):
+            start, end = starts[first], ends[last - 1]
+            if char_of_byte is not None:
+                start, end = int(char_of_byte[start]), int(char_of_byte[end - 1]) + 1
+            if strip_start and text[start].isspace():
+                start = end - len(text[start:end].lstrip())
+            if start < end and text[end - 1].isspace():
+                end = start + len(text[start:end].rstrip())
             if start < end:
-                n_tokens = (self._exact_count(text, start, end, token_ends, byte_of_char) if self.exact_token_counts
-                            else c.n_tokens)
-                result.append(Span(start, end, n_tokens))
-        return result
+                chunks.append(Span(start, end, before[last] - before[first]))
+        if self.exact_token_counts and chunks:
+            self._count_exactly(text, data, chunks, token_ends, char_of_byte)
+        return chunks
+
+    def _count_exactly(self, text: str, data: bytes, chunks: list[Span], token_ends: np.ndarray,
+                       char_of_byte: np.ndarray | None) -> None:
+        """Set each chunk's n_tokens to len(encode_ordinary(chunk text)), reusing the whole-document tokens.
+
+        Tokens between two points where a pre-token starts in any context (``_STARTS_PRETOKEN``) are the same whether
+        the document or only the chunk is encoded, so only the head before the chunk's first such point and the tail
+        after its last one are encoded again (a chunk with no such point: all of it); a head at the start of the
+        document, or a tail at its end, is the same in both encodings too.
+        """
+        if len(chunks) == 1 and chunks[0].start == 0 and chunks[0].end == len(text):  # half the documents
+            chunks[0].n_tokens = len(token_ends)  # the whole text: its tokens are the document's
+            return
+        codes = np.frombuffer(data, dtype=np.uint8)
+        inner = token_ends[:-1]  # the points must be token ends; the document's end is none
+        token_before = _STARTS_PRETOKEN[codes[inner - 1], codes[inner]].nonzero()[0]  # the one ending at each point
+        points = inner[token_before]  # byte offsets
+        token_before = token_before.tolist()
+        if char_of_byte is None:
+            points = point_chars = points.tolist()
+            starts, ends = [c.start for c in chunks], [c.end for c in chunks]
+        else:
+            point_chars = char_of_byte[points].tolist()
+            points = points.tolist()
+            byte_of_char = np.append(np.flatnonzero((codes & 0xC0) != 0x80), len(data))
+            starts = byte_of_char[[c.start for c in chunks]].tolist()
+            ends = byte_of_char[[c.end for c in chunks]].tolist()
+        encode, text_end, tokens = self.enc.encode_ordinary, len(text), len(token_ends)
+        for chunk, start, end in zip(chunks, starts, ends):
+            i, j = bisect_right(points, start), bisect_left(points, end) - 1  # the first and last point inside
+            if i > j:
+                chunk.n_tokens = len(encode(text[chunk.start : chunk.end]))
+                continue
+            head = token_before[i] + 1 if chunk.start == 0 else len(encode(text[chunk.start : point_chars[i]]))
+            tail = (tokens - 1 - token_before[j] if chunk.end == text_end
+                    else len(encode(text[point_chars[j] : chunk.end])))
+            chunk.n_tokens = head + token_before[j] - token_before[i] + tail
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -301,10 +347,14 @@ class ChunkStage(Stage):
         if self._new_cache is not None:
             atomic_write_json(self._cache_path(), self._new_cache)
         path = self._plan_path(run)
-        if path.exists() and read_json(path).get("stage_hash") == stage_hash:
-            return len(read_json(path)["shards"])
-        plan = plan_shards(self.config.input) | {"stage_hash": stage_hash}
-        atomic_write_json(path, plan)
+        if path.exists():
+            plan = read_json(path)
+            if plan.get("stage_hash") == stage_hash and plan.get("version") == PLAN_VERSION:
+                return len(plan["shards"])
+        # An older plan is made again: the same input gives the same shards, so finished ones stay valid.
+        plan = plan_shards(self.config.input, path.parent, scratch_dir=run.output_dir(layout.TMP) / self.name,
+                           memory_gb=self.config.execution.memory_gb) | {"stage_hash": stage_hash}
+        atomic_write_json(path, plan)  # last: the renames it names are written
         return len(plan["shards"])
 
     def setup(self) -> None:
@@ -315,7 +365,7 @@ class ChunkStage(Stage):
         stats = Stats()
         rows: dict[str, list] = {name: [] for name in CHUNK_SCHEMA.names}
         rejects: list[Reject] = []
-        for item in read_shard(plan, shard, self.config.input):
+        for item in read_shard(plan, shard, self.config.input, self._plan_path(run).parent):
             if isinstance(item, Reject):
                 rejects.append(item)
                 stats.drop(item.reason)

@@ -21,7 +21,9 @@ position in the list. Their ``chunk_count`` is null until the corpus is annotate
     report/concept_sizes.png, report/concept_map.png
 
 Lifted words (paper 4.4, appendix D.1): lift(w, c) = P(w | c) / P(w) over the words of the chunks
-a concept covers, for words seen in at least ``library.lift_min_support`` of them.
+a concept covers, for words seen in at least ``library.lift_min_support`` of them. Which chunks each concept
+covers, and the words of every chunk, are joined out of core (DuckDB, at most ``execution.memory_gb``, spilling
+to ``RUN/_tmp/library/``): memory holds the concepts and a batch of chunk texts, not the corpus.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_json, atomic_write_parquet, read_json, sha256_bytes
+from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet, read_json, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.chunks import read_chunks
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
+from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, scratch, sql_list
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
@@ -48,28 +50,43 @@ LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
 
 
-def lifted_words(chunk_texts: list[str], members: list[np.ndarray], min_support: int, top: int = LIFTED_KEPT):
-    """For each concept (its chunk indices), the words with the highest lift P(w|c) / P(w)."""
-    from scipy import sparse
+def word_analyzer():
+    """The words of a text, as lift counts them: lowercase, 3+ ASCII letters, no English stop words."""
     from sklearn.feature_extraction.text import CountVectorizer
 
-    if not chunk_texts:
-        return [[] for _ in members]
-    vectorizer = CountVectorizer(binary=True, stop_words="english", token_pattern=r"(?u)\b[a-zA-Z][a-zA-Z]{2,}\b")
-    words = vectorizer.fit_transform(chunk_texts).tocsc()  # chunks x words, 1 if the word occurs
-    vocabulary = vectorizer.get_feature_names_out()
-    p_word = np.asarray(words.sum(axis=0)).ravel() / len(chunk_texts)
-    rows = np.concatenate([np.full(len(m), i) for i, m in enumerate(members)]) if members else np.array([], int)
-    cols = np.concatenate(members) if members else np.array([], int)
-    membership = sparse.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(members), len(chunk_texts)))
-    in_concept = (membership @ words).toarray() if len(members) * len(vocabulary) < 5e7 else None
-    out = []
-    for i, chunks in enumerate(members):
-        counts = in_concept[i] if in_concept is not None else np.asarray((membership[i] @ words).todense()).ravel()
-        lift = np.where(counts >= min_support, (counts / max(len(chunks), 1)) / np.maximum(p_word, 1e-12), 0)
-        best = [j for j in np.lexsort((vocabulary, -counts, -lift))[:top] if lift[j] > 1]
-        out.append([str(vocabulary[j]) for j in best])
-    return out
+    return CountVectorizer(stop_words="english", token_pattern=r"(?u)\b[a-zA-Z][a-zA-Z]{2,}\b").build_analyzer()
+
+
+def lifted_words(con, chunk_texts, min_support: int, top: int = LIFTED_KEPT) -> dict[int, list[str]]:
+    """For each concept, the words with the highest lift P(w|c) / P(w) (at most ``top``, each with lift > 1).
+
+    ``con`` holds ``covered`` (concept, idx: the chunks each concept covers) and ``chunk_texts`` streams
+    (idx, chunk_text) batches of every chunk whose words count. Ties: more of the concept's chunks, then the word.
+    Lift is computed per (concept, word) from integer counts, in float64, as numpy would."""
+    analyze = word_analyzer()
+    con.execute("CREATE TABLE chunk_words (idx BIGINT, word VARCHAR)")
+    n = 0
+    for batch in chunk_texts:
+        words = [sorted(set(analyze(text))) for text in batch.column("chunk_text").to_pylist()]
+        idx = np.repeat(batch.column("idx").to_numpy(), [len(w) for w in words])
+        con.register("batch_words", pa.table({"idx": idx, "word": [w for ws in words for w in ws]}))
+        con.execute("INSERT INTO chunk_words SELECT idx, word FROM batch_words")
+        con.unregister("batch_words")
+        n += batch.num_rows
+    if n == 0:
+        return {}
+    rows = con.execute("""
+        WITH sizes AS (SELECT concept, count(*) AS size FROM covered GROUP BY concept),
+             df AS (SELECT word, count(*) AS df FROM chunk_words GROUP BY word),
+             hits AS (SELECT c.concept, w.word, count(*) AS hits FROM covered c JOIN chunk_words w USING (idx)
+                      GROUP BY c.concept, w.word HAVING count(*) >= $min_support),
+             lift AS (SELECT h.concept, h.word, h.hits, (h.hits / s.size) / (d.df / $n) AS lift
+                      FROM hits h JOIN sizes s USING (concept) JOIN df d USING (word))
+        SELECT concept, list(word ORDER BY lift DESC, hits DESC, word) AS words FROM (
+            SELECT * FROM lift WHERE lift > 1
+            QUALIFY row_number() OVER (PARTITION BY concept ORDER BY lift DESC, hits DESC, word) <= $top)
+        GROUP BY concept""", {"min_support": min_support, "n": n, "top": top}).fetchall()
+    return dict(rows)
 
 
 class LibraryStage(Stage):
@@ -113,28 +130,15 @@ class LibraryStage(Stage):
         passes += self._merge_names(concepts, run, stats)
 
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
-        vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
-        chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
-        tags_of_cluster: dict[int, list[str]] = {}
-        for tag, cluster in zip(clusters["tag_norm"], clusters["cluster_id"]):
-            tags_of_cluster.setdefault(cluster, []).append(tag)
-        for concept in concepts:
-            covered = {chunk for cluster in concept["merged_from"] for tag in tags_of_cluster.get(cluster, [])
-                       for chunk in chunks_of_tag[tag]}
-            concept["chunks"] = sorted(covered)
-        concepts.sort(key=lambda c: (-len(c["chunks"]), c["name"]))  # dense ids, most used first
-
-        chunk_ids = sorted({c for chunks in vocab["chunk_ids"] for c in chunks})
-        index = {c: i for i, c in enumerate(chunk_ids)}
-        chunks = read_chunks(run, index)
-        texts = [chunks[c]["chunk_text"] for c in chunk_ids]
-        lifted = lifted_words(texts, [np.array([index[c] for c in cc["chunks"]], dtype=int) for cc in concepts],
-                              self.config.library.lift_min_support)
+        chunk_count, lifted, n_chunks = self._coverage(run, concepts)
+        for i, concept in enumerate(concepts):
+            concept["chunk_count"], concept["lifted"] = chunk_count.get(i, 0), lifted.get(i, [])
+        concepts.sort(key=lambda c: (-c["chunk_count"], c["name"]))  # dense ids, most used first
         rows = [{"concept_id": i, "domain": "content", "name": c["name"], "description": c["description"],
-                 "evidence_tags": c["evidence"], "n_tags": c["n_tags"], "chunk_count": len(c["chunks"]),
-                 "prevalence": len(c["chunks"]) / max(len(chunk_ids), 1), "taxonomy_path": None,
-                 "merged_from": sorted(c["merged_from"]), "lifted_words": words}
-                for i, (c, words) in enumerate(zip(concepts, lifted))]
+                 "evidence_tags": c["evidence"], "n_tags": c["n_tags"], "chunk_count": c["chunk_count"],
+                 "prevalence": c["chunk_count"] / max(n_chunks, 1), "taxonomy_path": None,
+                 "merged_from": sorted(c["merged_from"]), "lifted_words": c["lifted"]}
+                for i, c in enumerate(concepts)]
         concept_of_cluster = {cluster: row["concept_id"] for row in rows for cluster in row["merged_from"]}
         offsets, n_content = {"content": 0}, len(rows)
         for domain in self._aux_domains():  # after the content concepts: tone, demographic, alignment
@@ -164,6 +168,38 @@ class LibraryStage(Stage):
         stats.inc("tags_unmapped", sum(c is None for c in mapping["concept_id"]))
         self._plot(run, rows[:n_content])
         return stats
+
+    def _coverage(self, run: RunDir, concepts: list[dict]) -> tuple[dict[int, int], dict[int, list[str]], int]:
+        """Per concept (its index in ``concepts``): how many chunks its tags came from, and its lifted words; and
+        how many chunks the vocabulary came from in all."""
+        vocab = run.part_path(layout.TAG_VOCAB, 0)
+        chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
+        of_cluster = [(cluster, i) for i, c in enumerate(concepts) for cluster in c["merged_from"]]
+        tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
+        with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
+            con.execute(f"CREATE VIEW vocab_chunks AS SELECT tag_norm, unnest(chunk_ids) AS chunk_id "
+                        f"FROM read_parquet({sql_list([vocab])})")
+            con.execute("CREATE TABLE every_chunk AS SELECT chunk_id, row_number() OVER () AS idx "
+                        "FROM (SELECT DISTINCT chunk_id FROM vocab_chunks)")
+            con.register("concept_of_cluster", pa.table({"cluster_id": [c for c, _ in of_cluster],
+                                                         "concept": [i for _, i in of_cluster]},
+                                                        schema=pa.schema([("cluster_id", pa.int64()),
+                                                                          ("concept", pa.int64())])))
+            con.execute(f"""CREATE TABLE covered AS SELECT DISTINCT c.concept, e.idx FROM vocab_chunks v
+                            JOIN read_parquet({sql_list([run.part_path(layout.CLUSTERS, 0)])}) k USING (tag_norm)
+                            JOIN concept_of_cluster c USING (cluster_id) JOIN every_chunk e USING (chunk_id)""")
+            n_chunks, = con.execute("SELECT count(*) FROM every_chunk").fetchone()
+            chunk_count = dict(con.execute("SELECT concept, count(*) FROM covered GROUP BY concept").fetchall())
+            con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, chunk_text FROM read_parquet({sql_list(chunks)})")
+            found, = con.execute("SELECT count(*) FROM every_chunk JOIN chunks USING (chunk_id)").fetchone()
+            if found != n_chunks:
+                raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: {abs(n_chunks - found)} chunk(s) of the tag "
+                                    "vocabulary are missing from the chunk parts, or are there twice; recompute the "
+                                    "chunk stage")
+            texts = record_batches(con.cursor(), "SELECT e.idx, k.chunk_text FROM every_chunk e JOIN chunks k "
+                                                 "USING (chunk_id)", rows=8192)
+            lifted = lifted_words(con, texts, self.config.library.lift_min_support)
+        return chunk_count, lifted, n_chunks
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
         vectors, _ = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings")

@@ -7,25 +7,39 @@ against the schema and normalized; an answer that still fails is asked again (wi
 on what was wrong) up to ``tag.max_attempts`` times, then the chunk is quarantined in
 ``tags/_rejects/`` with the raw answer and the reason.
 
-Invariant, checked for every shard: chunks tagged + chunks quarantined = chunks in.
+**The library sample** (paper 4.2: 6.6M of 1.84B documents are tagged; the trained annotator labels
+the rest). Only the chunks of documents in the sample are tagged: a document is in it when its
+``sample_position`` (a hash of its id) is below ``tag.sample_fraction``, and ``tag.sample_max_docs`` caps it
+(the plan then keeps the documents with the lowest positions: ``RUN/tags/_sample.json``). Everything from
+``vocab`` to ``train_annotator`` reads the tags and so sees the sample; ``annotate``, ``tokenize`` and
+``index`` read the chunks and see every one.
+
+**Each distinct text is asked once.** Chunks of a shard whose texts are equal after whitespace normalization
+(boilerplate, repeated questions, mirrored pages) share one request and its answer (counted as
+``duplicate_texts``). The request's key is the normalized text's hash and the attempt, not a chunk id.
+
+Invariant, checked for every shard: chunks tagged + quarantined + outside the sample = chunks in.
 
 The whole shard is asked through one window (``atlas.llm.ask``): a retry is submitted as soon as its
 answer fails, while other chunks are still being answered. Answers are cached per shard in
-``RUN/_cache/tag/NNNNN.jsonl`` as they arrive, keyed by chunk, attempt, everything the engine sees and
-the engine's identity, so a killed shard resumes without asking the engine again.
+``RUN/_cache/tag/NNNNN.jsonl`` as they arrive, keyed by content (normalized text, attempt), everything the
+engine sees and the engine's identity, so a killed shard resumes without asking the engine again.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import pyarrow as pa
 
 from atlas.config import PROJECT_ROOT
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_parquet, read_parquet, sha256_bytes
+from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
+from atlas.io.chunks import SAMPLE_FILE, sample_position, sample_threshold
 from atlas.io.tags import TAG_SCHEMA
 from atlas.llm.answers import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
 from atlas.llm.ask import ask_until_done
@@ -33,7 +47,7 @@ from atlas.llm.cache import RequestCache
 from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
 
-TAG_STAGE_VERSION = 1
+TAG_STAGE_VERSION = 2
 QUARANTINE_SCHEMA = pa.schema(
     [("chunk_id", pa.string()), ("domain", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
      ("attempts", pa.int16()), ("finish_reason", pa.string()), ("raw", pa.string())]
@@ -44,6 +58,11 @@ PROMPT_PLACEHOLDERS = {
     "user": {"domain", "domain_description", "fields", "text"},
     "repair": {"problem", "field_names"},
 }
+
+
+def text_key(chunk: dict) -> str:
+    """What makes two chunks one request: the domain (it picks the schema) and the text, whitespace normalized."""
+    return chunk["domain"] + "\n" + " ".join(chunk["chunk_text"].split())
 
 
 def _prompt_path(config) -> str:
@@ -71,7 +90,32 @@ class TagStage(Stage):
         }
 
     def plan(self, run: RunDir, stage_hash: str) -> int:
-        return run.read_manifest()["stages"]["chunk"]["num_shards"]  # shard i of chunks -> shard i of tags
+        n_shards = run.read_manifest()["stages"]["chunk"]["num_shards"]  # shard i of chunks -> shard i of tags
+        if run.success_path(layout.CHUNKS).exists():  # else planned ahead (atlas plan): decided when it runs
+            atomic_write_json(run.output_dir(self.output) / SAMPLE_FILE, self._sample_rule(run))
+        return n_shards
+
+    def _sample_rule(self, run: RunDir) -> dict:
+        """The library sample: documents below ``threshold``. With ``sample_max_docs``, the threshold is the
+        position of the first document past the cap, found in one pass over the chunks' document ids that keeps
+        at most ``sample_max_docs`` + 1 positions in memory."""
+        c = self.config.tag
+        rule = {"fraction": c.sample_fraction, "max_docs": c.sample_max_docs, "threshold": c.sample_fraction}
+        if c.sample_max_docs is None:
+            return rule
+        lowest: list[float] = []  # a max-heap (negated) of the sample_max_docs + 1 lowest positions seen
+        for part in run.parts(layout.CHUNKS):  # a document's chunks are all in one part (ids are unique)
+            for doc_id in set(read_parquet(part, ["doc_id"]).column(0).to_pylist()):
+                position = sample_position(doc_id)
+                if position >= c.sample_fraction:
+                    continue
+                if len(lowest) <= c.sample_max_docs:
+                    heapq.heappush(lowest, -position)
+                elif position < -lowest[0]:
+                    heapq.heappushpop(lowest, -position)
+        if len(lowest) > c.sample_max_docs:  # more documents than the cap: stop below the one past it
+            rule["threshold"] = -lowest[0]
+        return rule
 
     def setup(self) -> None:
         self.schemas, self.candidates, _ = load_schemas(self.config.tag)
@@ -95,7 +139,7 @@ class TagStage(Stage):
         lists = {spec["x-atlas-offline"]["list"] for spec in schema.schema["properties"].values()
                  if spec["x-atlas-offline"]["method"] == "candidates"}
         return LLMRequest(
-            key=f"{chunk['chunk_id']}#{attempt}",
+            key=f"{sha256_bytes(text_key(chunk).encode())[:24]}#{attempt}",
             system=self.prompt.templates["system"],
             user=user,
             schema=schema.schema,
@@ -105,35 +149,52 @@ class TagStage(Stage):
         )
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        chunks = read_parquet(run.part_path(layout.CHUNKS, shard), ["chunk_id", "domain", "chunk_text"]).to_pylist()
-        stats = Stats({"chunks_in": len(chunks)})
+        every = read_parquet(run.part_path(layout.CHUNKS, shard), ["chunk_id", "doc_id", "domain", "chunk_text"])
+        threshold = sample_threshold(run, self.config.tag.sample_fraction, self.config.tag.sample_max_docs)
+        in_sample = {doc: sample_position(doc) < threshold for doc in set(every.column("doc_id").to_pylist())}
+        chunks = [c for c in every.to_pylist() if in_sample[c["doc_id"]]]
+        stats = Stats({"chunks_in": every.num_rows, "chunks_sampled": len(chunks), "docs_in": len(in_sample),
+                       "docs_sampled": sum(in_sample.values())})
+        # One request per distinct (domain, normalized text): the first chunk with it asks, the others share.
+        first_with: dict[str, int] = {}
+        asker = [first_with.setdefault(text_key(c), i) for i, c in enumerate(chunks)]  # chunk -> who asks
+        askers = sorted(first_with.values())
+        stats.inc("duplicate_texts", len(chunks) - len(askers))
         tagged: dict[str, dict] = {}
         quarantined: dict[str, dict] = {}
 
         def request(i: int, attempt: int, problem: str | None) -> LLMRequest:
             if attempt > 1:
                 stats.inc("requests_retried")
-            return self._request(chunks[i], attempt, problem)
+            return self._request(chunks[askers[i]], attempt, problem)
 
         def check(i: int, attempt: int, result: LLMResult) -> str | None:
-            return self._check(chunks[i], attempt, result, stats, tagged, quarantined)
+            return self._check(chunks[askers[i]], attempt, result, stats, tagged, quarantined)
 
         cache = RequestCache(run.root / layout.CACHE / "tag" / f"{shard:05d}.jsonl", self.engine.identity())
         try:
-            stats.merge(ask_until_done(self.engine, cache, len(chunks), request, check, self.config.tag.batch_size))
+            stats.merge(ask_until_done(self.engine, cache, len(askers), request, check, self.config.tag.batch_size))
         finally:
             cache.close()
 
-        if len(tagged) + len(quarantined) != len(chunks):  # never lose a chunk silently
-            raise RuntimeError(f"tag shard {shard}: {len(chunks)} chunks in, {len(tagged)} tagged, "
+        answers = {}  # chunk id -> its tags, or None when the answer for its text was quarantined
+        for chunk, i in zip(chunks, asker):
+            asked = chunks[i]["chunk_id"]
+            answers[chunk["chunk_id"]] = tagged.get(asked)
+            if asked in quarantined and chunk["chunk_id"] != asked:
+                quarantined[chunk["chunk_id"]] = quarantined[asked] | {"chunk_id": chunk["chunk_id"]}
+                stats.drop(quarantined[asked]["reason"])
+        tagged_n = sum(tags is not None for tags in answers.values())
+        if tagged_n + len(quarantined) != len(chunks):  # never lose a chunk silently
+            raise RuntimeError(f"tag shard {shard}: {len(chunks)} chunks of the library sample, {tagged_n} tagged, "
                                f"{len(quarantined)} quarantined")
         rows: dict[str, list] = {name: [] for name in TAG_SCHEMA.names}
         for chunk in chunks:
-            for field, tags in tagged.get(chunk["chunk_id"], {}).items():
+            for field, tags in (answers[chunk["chunk_id"]] or {}).items():
                 for rank, (tag, norm) in enumerate(tags):
                     for key, value in zip(TAG_SCHEMA.names, (chunk["chunk_id"], field, tag, norm, rank)):
                         rows[key].append(value)
-        stats.inc("chunks_tagged", len(tagged))
+        stats.inc("chunks_tagged", tagged_n)
         stats.inc("chunks_quarantined", len(quarantined))
         stats.inc("tags_out", len(rows["tag"]))
         atomic_write_parquet(run.part_path(self.output, shard), pa.table(rows, schema=TAG_SCHEMA))

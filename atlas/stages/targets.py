@@ -17,25 +17,44 @@
 
     targets/part-00000.parquet   chunk_id, doc_id, domain, split, picked, concepts (all global ids),
                                  content_global_ids, <aux>_global_ids, aux_status
+
+The joins run out of core (DuckDB over the tag and chunk parts and tag_to_concept, at most
+``execution.memory_gb``, spilling to ``RUN/_tmp/targets/``). Memory holds a few bytes per tagged chunk (the
+random order and the picks), one concept's chunks at a time, and ``AUX_BLOCK`` reservoir chunks at a time
+(embedded, labeled, written); the offline similarities wait on disk until every chunk has been seen, as each
+label is standardized over the whole reservoir. Float32 BLAS may round a block's similarities in the last bit
+differently from a product of the whole matrix, so a reservoir larger than one block can, rarely, give another
+label where a z-score lies within rounding of a threshold; the result is the same on every rerun.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from atlas.config import PROJECT_ROOT
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_parquet, sha256_bytes, stable_hash
+from atlas.core.files import ArtifactError, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.chunks import read_chunks
-from atlas.io.library import check_tag_to_concept, chunk_concepts, load_library
-from atlas.io.tags import read_tags
+from atlas.io.library import check_tag_to_concept, load_library
+from atlas.io.outofcore import (
+    PartWriter,
+    RowFile,
+    SortedLists,
+    checked_parts,
+    duckdb_session,
+    record_batches,
+    rows_of,
+    runs_of,
+    scratch,
+    sql_list,
+)
+from atlas.io.tags import tag_parts
 from atlas.llm.answers import parse_answer
 from atlas.llm.ask import ask_until_done
 from atlas.llm.cache import RequestCache
@@ -46,6 +65,9 @@ from atlas.models.embedder import Embedder, encode_cached
 
 TARGETS_VERSION = 1
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
+AUX_BLOCK = 32_768  # reservoir chunks embedded, labeled and written at a time (~50 MB of float32 embeddings)
+LONG_TAIL, FILL = 1, 2  # how a chunk entered the reservoir (0: it did not)
+PICKED = {LONG_TAIL: "long_tail", FILL: "fill"}
 
 
 def targets_schema(aux_domains: list[str]) -> pa.Schema:
@@ -57,30 +79,45 @@ def targets_schema(aux_domains: list[str]) -> pa.Schema:
     )
 
 
+def reservoir_picks(n: int, members_by_concept: Iterable[tuple[int, np.ndarray]], size: int | None,
+                    min_per_concept: int, seed: int) -> np.ndarray:
+    """How each of the chunks 0..n-1 entered the reservoir: 0 (it did not), LONG_TAIL or FILL.
+
+    ``members_by_concept``: (concept, its chunks), rarest concept first (fewest chunks, then the smaller id). In one
+    seeded random order of all chunks, up to ``min_per_concept`` chunks of each concept are taken (counting chunks
+    already taken), then a uniform fill in the same order up to ``size`` (None: all). Memory: 17 bytes a chunk (the
+    order, each chunk's place in it, the picks) and one concept's chunks at a time."""
+    order = np.random.default_rng(seed).permutation(n)
+    place = np.empty(n, dtype=np.int64)
+    place[order] = np.arange(n)
+    size = n if size is None else min(size, n)
+    picked = np.zeros(n, dtype=np.uint8)
+    taken = 0
+    for _, members in members_by_concept:
+        members = members[np.argsort(place[members], kind="stable")]  # the concept's chunks in the random order
+        free = members[picked[members] == 0]
+        need = min(min_per_concept - (len(members) - len(free)), size - taken)
+        if need > 0:
+            picked[free[:need]] = LONG_TAIL
+            taken += len(free[:need])
+    if taken < size:
+        picked[order[picked[order] == 0][: size - taken]] = FILL
+    return picked
+
+
 def build_reservoir(chunk_ids: list[str], concepts: dict[str, list[int]], size: int | None, min_per_concept: int,
                     seed: int) -> dict[str, str]:
-    """chunk id -> "long_tail" or "fill": up to ``min_per_concept`` chunks per concept (rarest concept
-    first, counting chunks already taken), then a uniform random fill up to ``size`` (None: all)."""
-    order = [chunk_ids[i] for i in np.random.default_rng(seed).permutation(len(chunk_ids))]
-    size = len(order) if size is None else min(size, len(order))
-    members: dict[int, list[str]] = {}
-    for chunk in order:  # each concept's chunks in the same random order
-        for concept in concepts.get(chunk, []):
-            members.setdefault(concept, []).append(chunk)
-    picked: dict[str, str] = {}
-    for concept in sorted(members, key=lambda c: (len(members[c]), c)):
-        have = sum(chunk in picked for chunk in members[concept])
-        for chunk in members[concept]:
-            if have >= min_per_concept or len(picked) >= size:
-                break
-            if chunk not in picked:
-                picked[chunk] = "long_tail"
-                have += 1
-    for chunk in order:
-        if len(picked) >= size:
-            break
-        picked.setdefault(chunk, "fill")
-    return picked
+    """``reservoir_picks`` on lists in memory: chunk id -> "long_tail" or "fill" (``concepts``: a chunk's concept
+    ids)."""
+    index = {chunk: i for i, chunk in enumerate(chunk_ids)}
+    members: dict[int, list[int]] = {}
+    for chunk, ids in concepts.items():
+        for concept in ids if chunk in index else ():
+            members.setdefault(concept, []).append(index[chunk])
+    rarest_first = sorted(members.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    picked = reservoir_picks(len(chunk_ids), ((c, np.array(m, dtype=np.int64)) for c, m in rarest_first), size,
+                             min_per_concept, seed)
+    return {chunk_ids[i]: PICKED[int(picked[i])] for i in np.flatnonzero(picked)}
 
 
 def heldout_split(doc_id: str, fraction: float, seed: int) -> str:
@@ -129,44 +166,82 @@ class TargetsStage(Stage):
         if missing := [d.name for d in domains if d.name not in offsets]:
             raise ValueError(f"{run.output_dir(layout.LIBRARY)}/config.json has no offsets for auxiliary domains "
                              f"{missing}; rebuild the library (atlas run CONFIG --force --stages library)")
-
-
         check_tag_to_concept(run, library["domain_sizes"]["content"])
-        tags = read_tags(run, ["chunk_id"])
-        tagged = sorted(set(tags.column(0).to_pylist()))
-        content = chunk_concepts(run)
-        stats = Stats({"chunks_tagged": len(tagged), "chunks_with_concepts": len(content)})
-        picked = build_reservoir(tagged, content, a.reservoir_size, a.min_per_concept, a.seed)
-        chosen = sorted(picked)
-        chunks = read_chunks(run, set(chosen), ("doc_id", "domain", "chunk_text"))
-        texts = [chunks[c]["chunk_text"] for c in chosen]
-        aux, status = (self._aux_offline(run, domains, texts, stats) if self.config.llm.engine == "offline"
-                       else self._aux_llm(run, domains, chosen, texts, stats))
+        tags = tag_parts(run)
+        chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "doc_id", "domain", "chunk_text"])
+        mapping = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
+        tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
+        with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
+            con.execute(f"CREATE VIEW tags AS SELECT chunk_id, tag_norm FROM read_parquet({sql_list(tags)})")
+            con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, doc_id, domain, chunk_text "
+                        f"FROM read_parquet({sql_list(chunks)})")
+            # the tagged chunks, numbered in chunk id order, and the content concepts their tags map to
+            con.execute("CREATE TABLE tagged AS SELECT chunk_id, row_number() OVER (ORDER BY chunk_id) - 1 AS idx "
+                        "FROM (SELECT DISTINCT chunk_id FROM tags)")
+            con.execute(f"""CREATE TABLE content AS SELECT DISTINCT g.idx, m.concept_id AS concept
+                            FROM tags t JOIN read_parquet({sql_list([mapping])}) m USING (tag_norm)
+                            JOIN tagged g USING (chunk_id) WHERE m.concept_id IS NOT NULL""")
+            n, = con.execute("SELECT count(*) FROM tagged").fetchone()
+            with_concepts, = con.execute("SELECT count(DISTINCT idx) FROM content").fetchone()
+            stats = Stats({"chunks_tagged": n, "chunks_with_concepts": with_concepts})
+            members = runs_of(record_batches(con, """
+                SELECT c.concept, c.idx FROM content c JOIN (SELECT concept, count(*) AS size FROM content
+                GROUP BY concept) s USING (concept) ORDER BY s.size, c.concept"""), "concept", "idx")
+            picked = reservoir_picks(n, members, a.reservoir_size, a.min_per_concept, a.seed)
+            chosen = np.flatnonzero(picked)
+            con.register("chosen", pa.table({"idx": chosen, "picked": picked[chosen]}))
+            con.execute("CREATE TABLE reservoir AS SELECT c.idx, c.picked, g.chunk_id, k.doc_id, k.domain "
+                        "FROM chosen c JOIN tagged g USING (idx) JOIN chunks k USING (chunk_id)")
+            con.unregister("chosen")
+            found, = con.execute("SELECT count(*) FROM reservoir").fetchone()
+            if found != len(chosen):
+                raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: {len(chosen) - found} tagged chunk(s) are not "
+                                    "in the chunk parts, or are there twice; recompute the chunk stage")
+            stats.inc("reservoir", len(chosen))
+            stats.inc("reservoir_long_tail", int((picked == LONG_TAIL).sum()))
+            del picked, chosen
+            stats.inc("concepts_below_min_per_concept", con.execute(
+                "SELECT count(*) FROM (SELECT concept FROM content WHERE idx IN (SELECT idx FROM reservoir) "
+                "GROUP BY concept HAVING count(*) < ?)", [a.min_per_concept]).fetchone()[0])
+            texts = record_batches(con.cursor(), "SELECT r.idx, r.chunk_id, k.chunk_text FROM reservoir r "
+                                                 "JOIN chunks k USING (chunk_id) ORDER BY r.idx")
+            aux = (self._aux_offline(run, tmp, domains, texts, stats) if self.config.llm.engine == "offline"
+                   else self._aux_llm(run, domains, texts, stats))
+            self._write(run, con, domains, offsets, aux, stats)
+        return stats
 
-        rows = []
-        for i, chunk_id in enumerate(chosen):
-            doc_id = chunks[chunk_id]["doc_id"]
-            row = {"chunk_id": chunk_id, "doc_id": doc_id, "domain": chunks[chunk_id]["domain"],
-                   "split": heldout_split(doc_id, a.heldout_fraction, a.seed), "picked": picked[chunk_id],
-                   "content_global_ids": sorted(content.get(chunk_id, [])), "aux_status": status[i]}
-            for d in domains:
-                row[f"{d.name}_global_ids"] = [offsets[d.name] + j for j in aux[d.name][i]]
-            row["concepts"] = sorted(c for key, ids in row.items() if key.endswith("_global_ids") for c in ids)
-            rows.append(row)
+    def _write(self, run: RunDir, con, domains, offsets: dict, aux: Iterator, stats: Stats) -> None:
+        """The reservoir's rows in chunk id order, a block at a time: ``aux`` gives each block's auxiliary labels."""
+        a = self.config.annotator
+        rows_in = rows_of(record_batches(con, "SELECT idx, picked, chunk_id, doc_id, domain FROM reservoir "
+                                              "ORDER BY idx"), AUX_BLOCK)
+        content = SortedLists(record_batches(con.cursor(), "SELECT idx, concept FROM content WHERE idx IN "
+                                                           "(SELECT idx FROM reservoir) ORDER BY idx, concept"),
+                              "idx", "concept")
         schema = targets_schema([d.name for d in domains])
-        atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(rows, schema=schema))
-
-        splits = Counter(r["split"] for r in rows)
-        stats.inc("reservoir", len(rows))
-        stats.inc("reservoir_long_tail", sum(p == "long_tail" for p in picked.values()))
+        positives = dict.fromkeys(["content"] + [d.name for d in domains], 0)
+        splits = {"train": 0, "heldout": 0}
+        with PartWriter(run.part_path(self.output, 0), schema) as part:
+            for (labels, status), block in zip(aux, rows_in):
+                content_ids = content.take(block.column("idx").to_numpy(), pa.int64()).to_pylist()
+                rows = []
+                for i, r in enumerate(block.select(["picked", "chunk_id", "doc_id", "domain"]).to_pylist()):
+                    row = {"chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "domain": r["domain"],
+                           "split": heldout_split(r["doc_id"], a.heldout_fraction, a.seed),
+                           "picked": PICKED[r["picked"]], "content_global_ids": content_ids[i],
+                           "aux_status": status[i]}
+                    for d in domains:
+                        row[f"{d.name}_global_ids"] = [offsets[d.name] + j for j in labels[d.name][i]]
+                    row["concepts"] = sorted(c for key, ids in row.items() if key.endswith("_global_ids") for c in ids)
+                    rows.append(row)
+                    splits[row["split"]] += 1
+                    for domain in positives:
+                        positives[domain] += len(row[f"{domain}_global_ids"])
+                part.write(pa.Table.from_pylist(rows, schema=schema))
         stats.inc("train", splits["train"])
         stats.inc("heldout", splits["heldout"])
-        stats.inc("positives_content", sum(len(r["content_global_ids"]) for r in rows))
-        for d in domains:
-            stats.inc(f"positives_{d.name}", sum(len(r[f"{d.name}_global_ids"]) for r in rows))
-        counts = Counter(c for r in rows for c in r["content_global_ids"])
-        stats.inc("concepts_below_min_per_concept", sum(1 for n in counts.values() if n < a.min_per_concept))
-        return stats
+        for domain, count in positives.items():
+            stats.inc(f"positives_{domain}", count)
 
     def _bar(self, total: int, desc: str, unit: str):
         """A progress bar inside the stage's one shard (the runner's bar shows shards: 0/1 until the end)."""
@@ -174,23 +249,40 @@ class TargetsStage(Stage):
 
         return tqdm(total=total, desc=desc, unit=unit, disable=not self.config.execution.progress)
 
-    def _aux_offline(self, run: RunDir, domains, texts: list[str], stats: Stats):
-        """Calibrated embedding similarity between each chunk and each label's "name: description"."""
+    def _aux_offline(self, run: RunDir, tmp, domains, texts: Iterator, stats: Stats) -> Iterator:
+        """Calibrated embedding similarity between each chunk and each label's "name: description". Every block's
+        similarities go to disk first, as each label is standardized over the whole reservoir; then the labels, by
+        block."""
         a = self.config.annotator
-        embedder = self.embedder
-        with self._bar(len(texts), "targets: embed reservoir", "chunk") as bar:
-            chunk_vectors, computed = encode_cached(embedder, texts, run.root / layout.CACHE / "embeddings",
-                                                    a.embed_batch_size, progress=bar.update)
-        stats.inc("chunks_embedded", computed)
-        aux = {}
-        for d in domains:
-            label_vectors, _ = encode_cached(embedder, d.texts, run.root / layout.CACHE / "embeddings")
-            similarity = chunk_vectors.astype(np.float32) @ label_vectors.astype(np.float32).T
-            aux[d.name] = [[j for j, _ in labels]
-                           for labels in calibrated_labels(similarity, d, a.aux_min_z, a.aux_min_similarity)]
-        return aux, ["offline"] * len(texts)
+        embedder, cache = self.embedder, run.root / layout.CACHE / "embeddings"
+        labels = {d.name: encode_cached(embedder, d.texts, cache)[0].astype(np.float32) for d in domains}
+        similarity = {d.name: RowFile(tmp / f"similarity_{d.name}.f32", len(d.labels)) for d in domains}
+        block = -(-AUX_BLOCK // a.embed_batch_size) * a.embed_batch_size  # whole batches: the cache's unit
+        stats.inc("chunks_embedded", 0)
+        n = 0
+        with self._bar(stats["reservoir"], "targets: embed reservoir", "chunk") as bar:
+            for rows in rows_of(texts, block):
+                vectors, computed = encode_cached(embedder, rows.column("chunk_text").to_pylist(), cache,
+                                                  a.embed_batch_size, progress=bar.update)
+                stats.inc("chunks_embedded", computed)
+                n += rows.num_rows
+                chunk_vectors = vectors.astype(np.float32)
+                for d in domains:
+                    similarity[d.name].append(chunk_vectors @ labels[d.name].T)
+        column_stats = {d.name: similarity[d.name].column_stats() for d in domains}
+        for start in range(0, n, AUX_BLOCK):
+            aux = {d.name: [[j for j, _ in chosen] for chosen in calibrated_labels(
+                similarity[d.name].read(start, AUX_BLOCK), d, a.aux_min_z, a.aux_min_similarity,
+                column_stats[d.name])] for d in domains}
+            yield aux, ["offline"] * min(AUX_BLOCK, n - start)
 
-    def _aux_llm(self, run: RunDir, domains, chunk_ids: list[str], texts: list[str], stats: Stats):
+    def _aux_llm(self, run: RunDir, domains, texts: Iterator, stats: Stats) -> Iterator:
+        """An LLM picks labels from the lists, ``AUX_BLOCK`` chunks at a time (see ``_aux_llm_block``)."""
+        for rows in rows_of(texts, AUX_BLOCK):
+            yield self._aux_llm_block(run, domains, rows.column("chunk_id").to_pylist(),
+                                      rows.column("chunk_text").to_pylist(), stats)
+
+    def _aux_llm_block(self, run: RunDir, domains, chunk_ids: list[str], texts: list[str], stats: Stats):
         """An LLM picks labels from the lists; validated, retried up to tag.max_attempts, cached."""
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "aux.yaml", AUX_PROMPT)
         schema, lists, engine = answer_schema(domains), describe_lists(domains), self.engine

@@ -12,30 +12,50 @@ times, generic tags (on more than ``vocab.max_chunk_share`` of the tagged chunks
 ``vocab.generic_min_chunks``: document frequency, the corpus statistic behind IDF and c-TF-IDF),
 and single words outside the English lexicon seen in one chunk only (typos, code fragments, stray
 strings) are left out and counted.
-Embeddings are cached in
-``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a vocabulary that gained
-tags, only embeds what is new. The vocabulary is embedded in fixed batches of its sorted order and
-a batch is computed whole or taken whole from the cache, so a resumed run gives the same bytes as
-an uninterrupted one.
+
+The grouping runs out of core (DuckDB over the tag parts, at most ``execution.memory_gb``, spilling to
+``RUN/_tmp/vocab/``): the vocabulary is streamed to the part and to ``_embeddings.npy`` in its final order,
+so memory holds a few thousand tags and their chunk ids at a time, never every tag row.
+
+Embeddings are cached in ``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a
+vocabulary that gained tags, only embeds what is new. The vocabulary is embedded in fixed batches of its
+sorted order and a batch is computed whole or taken whole from the cache, so a resumed run gives the same
+bytes as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import numpy as np
 import pyarrow as pa
 
-from atlas.core.files import atomic_write_npy, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.tags import VOCAB_SCHEMA, read_tags
+from atlas.io.outofcore import (
+    NpyWriter,
+    PartWriter,
+    SortedLists,
+    budget_slices,
+    duckdb_session,
+    record_batches,
+    scratch,
+    sql_list,
+)
+from atlas.io.tags import VOCAB_SCHEMA, tag_parts
 from atlas.llm.answers import field_roles, load_schemas
 from atlas.llm.offline import in_lexicon
 from atlas.models.embedder import Embedder, encode_cached
 
 VOCAB_VERSION = 2
 MAX_VARIANTS = 5
+
+
+def _in_lexicon(words: pa.Array) -> pa.Array:
+    """in_lexicon over an Arrow column, for DuckDB."""
+    return pa.array([in_lexicon(w) for w in words.to_pylist()], pa.bool_())
 
 
 class VocabStage(Stage):
@@ -51,50 +71,97 @@ class VocabStage(Stage):
         self.embedder = Embedder(self.config.vocab.embedding_model)
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        import pyarrow.compute as pc
-
         v = self.config.vocab
-        tags = read_tags(run, ["chunk_id", "field", "tag", "tag_norm"])
-        stats = Stats({"tags_in": tags.num_rows})
-        tagged_chunks = len(pc.unique(tags.column("chunk_id")))
+        parts = tag_parts(run)
         roles = field_roles(load_schemas(self.config.tag)[0])
-        fields = [f for f in pc.unique(tags.column("field")).to_pylist() if roles.get(f, "topic") in v.roles]
-        kept_rows = tags.filter(pc.is_in(tags.column("field"), pa.array(fields, pa.string())))
-        stats.drop("style_field_tags", tags.num_rows - kept_rows.num_rows)
-        tags = kept_rows
-        grouped = tags.group_by("tag_norm").aggregate(
-            [("chunk_id", "count"), ("chunk_id", "distinct"), ("field", "distinct"), ("tag", "distinct")]
-        )
-        rows = [
-            {"tag_norm": r["tag_norm"], "count": r["chunk_id_count"], "n_chunks": len(r["chunk_id_distinct"]),
-             "fields": sorted(r["field_distinct"]), "variants": sorted(r["tag_distinct"])[:MAX_VARIANTS],
-             "chunk_ids": sorted(r["chunk_id_distinct"])}
-            for r in grouped.to_pylist()
-        ]
-        stats.inc("unique_tags", len(rows))
-        kept = [r for r in rows if r["count"] >= v.min_count]
-        stats.drop("below_min_count", len(rows) - len(kept))
-        specific = [r for r in kept if r["n_chunks"] <= max(v.max_chunk_share * tagged_chunks, v.generic_min_chunks)]
-        stats.drop("generic_tags", len(kept) - len(specific))
-        # one word outside the English lexicon, in one chunk: mostly typos, code fragments and stray strings
-        # ("cabracadabrarrarrad", "segt"), which k-means gathers into junk clusters by their subwords
-        kept = [r for r in specific if r["n_chunks"] > 1 or " " in r["tag_norm"] or in_lexicon(r["tag_norm"])]
-        stats.drop("rare_unknown_words", len(specific) - len(kept))
-        kept.sort(key=lambda r: (-r["count"], r["tag_norm"]))  # a deterministic order, most frequent first
-        stats.inc("tags_out", len(kept))
+        tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
+        with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
+            con.execute(f"CREATE VIEW tags AS SELECT chunk_id, field, tag, tag_norm "
+                        f"FROM read_parquet({sql_list(parts)})")
+            tags_in, tagged_chunks = con.execute("SELECT count(*), count(DISTINCT chunk_id) FROM tags").fetchone()
+            stats = Stats({"tags_in": tags_in})
+            fields = [f for (f,) in con.execute("SELECT DISTINCT field FROM tags").fetchall()
+                      if roles.get(f, "topic") in v.roles]
+            con.execute(f"CREATE VIEW topic AS SELECT * FROM tags WHERE list_contains({sql_list(fields)}, field)")
+            con.execute("""CREATE TABLE per_tag AS SELECT tag_norm, count(chunk_id) AS count,
+                           count(DISTINCT chunk_id) AS n_chunks, list_sort(list(DISTINCT field)) AS fields
+                           FROM topic GROUP BY tag_norm""")
+            topic_rows, unique = con.execute('SELECT coalesce(sum("count"), 0), count(*) FROM per_tag').fetchone()
+            stats.drop("style_field_tags", tags_in - topic_rows)
+            stats.inc("unique_tags", unique)
 
-        vectors = self._embed([r["tag_norm"] for r in kept], run, stats)
-        atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(kept, schema=VOCAB_SCHEMA))
-        atomic_write_npy(run.output_dir(self.output) / "_embeddings.npy", vectors)
+            generic = max(v.max_chunk_share * tagged_chunks, v.generic_min_chunks)
+            frequent, specific = con.execute(
+                'SELECT count_if("count" >= $1), count_if("count" >= $1 AND n_chunks <= $2) FROM per_tag',
+                [v.min_count, float(generic)]).fetchone()
+            stats.drop("below_min_count", unique - frequent)
+            stats.drop("generic_tags", frequent - specific)
+            # one word outside the English lexicon, in one chunk: mostly typos, code fragments and stray strings
+            # ("cabracadabrarrarrad", "segt"), which k-means gathers into junk clusters by their subwords
+            con.create_function("in_lexicon", _in_lexicon, ["VARCHAR"], "BOOLEAN", type="arrow")
+            con.execute("""CREATE TABLE kept AS SELECT * FROM per_tag WHERE "count" >= $1 AND n_chunks <= $2
+                           AND (n_chunks > 1 OR contains(tag_norm, ' ') OR in_lexicon(tag_norm))""",
+                        [v.min_count, float(generic)])
+            n_kept = con.execute("SELECT count(*) FROM kept").fetchone()[0]
+            stats.drop("rare_unknown_words", specific - n_kept)
+            stats.inc("tags_out", n_kept)
+            # a deterministic order, most frequent first (strings compare by code point, as in Python)
+            con.execute(f"""CREATE TABLE ranked AS
+                SELECT row_number() OVER (ORDER BY k."count" DESC, k.tag_norm) - 1 AS rank, k.*, v.variants
+                FROM kept k JOIN (SELECT tag_norm, min(tag, {MAX_VARIANTS}) AS variants
+                                  FROM (SELECT DISTINCT tag_norm, tag FROM topic) GROUP BY tag_norm) v
+                USING (tag_norm)""")
+            pairs = SortedLists(record_batches(con.cursor(), """
+                SELECT r.rank, t.chunk_id FROM (SELECT DISTINCT tag_norm, chunk_id FROM topic) t
+                JOIN ranked r USING (tag_norm) ORDER BY r.rank, t.chunk_id"""), "rank", "chunk_id")
+            rows = record_batches(con, 'SELECT rank, tag_norm, "count", n_chunks, fields, variants FROM ranked '
+                                       "ORDER BY rank")
+            self._write(run, rows, pairs, n_kept, stats)
         return stats
 
-    def _embed(self, texts: list[str], run: RunDir, stats: Stats) -> np.ndarray:
-        vectors, computed = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings",
-                                          self.config.vocab.batch_size)
-        if computed:
-            stats.inc("tags_embedded", computed)
-        if computed < len(texts):
-            stats.inc("tags_from_cache", len(texts) - computed)
-        return vectors
+    def _write(self, run: RunDir, rows, pairs: SortedLists, n_tags: int, stats: Stats) -> None:
+        """Write the vocabulary part and its embeddings, one batch of tags at a time (both files or neither)."""
+        with ExitStack() as files:
+            part = files.enter_context(PartWriter(run.part_path(self.output, 0), VOCAB_SCHEMA, "chunk_ids"))
+            embeddings = _Embeddings(self, run, n_tags, stats, files)
+            for rows_batch in rows:
+                for batch in (rows_batch.slice(s.start, s.stop - s.start)
+                              for s in budget_slices(rows_batch.column("n_chunks").to_numpy())):
+                    chunk_ids = pairs.take(batch.column("rank").to_numpy(), pa.string())
+                    part.write(pa.table([batch.column(name) for name in VOCAB_SCHEMA.names[:-1]] + [chunk_ids],
+                                        names=VOCAB_SCHEMA.names))
+                embeddings.add(rows_batch.column("tag_norm").to_pylist())
+            embeddings.add([], last=True)
 
 
+class _Embeddings:
+    """The vocabulary's embeddings, computed in the fixed batches of its order (``vocab.batch_size``) as the tags
+    stream by, and written to ``_embeddings.npy`` block by block."""
+
+    def __init__(self, stage: VocabStage, run: RunDir, n_tags: int, stats: Stats, files: ExitStack):
+        self.stage, self.run, self.n_tags, self.stats, self.files = stage, run, n_tags, stats, files
+        self.batch = stage.config.vocab.batch_size
+        self.pending: list[str] = []
+        self.writer: NpyWriter | None = None
+
+    def add(self, texts: list[str], last: bool = False) -> None:
+        self.pending += texts
+        whole = len(self.pending) if last else len(self.pending) - len(self.pending) % self.batch
+        if whole:
+            vectors, computed = encode_cached(self.stage.embedder, self.pending[:whole],
+                                              self.run.root / layout.CACHE / "embeddings", self.batch)
+            self.pending = self.pending[whole:]
+            if computed:
+                self.stats.inc("tags_embedded", computed)
+            if computed < whole:
+                self.stats.inc("tags_from_cache", whole - computed)
+            self._writer(vectors.shape[1]).write(vectors)
+        elif last:
+            self._writer(self.stage.embedder.dim)  # no tags at all: an empty array of the model's width
+
+    def _writer(self, dim: int) -> NpyWriter:
+        # opened at the first block, whose width it takes: a vocabulary found in the cache never loads the model
+        if self.writer is None:
+            path = self.run.output_dir(self.stage.output) / "_embeddings.npy"
+            self.writer = self.files.enter_context(NpyWriter(path, (self.n_tags, dim), np.float16))
+        return self.writer

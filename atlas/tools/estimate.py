@@ -5,8 +5,12 @@ tagging run through the real stages (in a temporary run directory, with the conf
 annotation is timed with the run's trained annotator when ``RUN/annotator`` exists, else with the
 configured encoder alone (its ``encode`` is nearly all of the annotation cost); tokenization times
 tiktoken plus the stream layout. Rates are per worker; the projection divides by
-``execution.workers``. Global stages (vocab ... train_annotator, index) depend on the size of the tag
+``execution.workers``. Global stages (vocab ... train_annotator) and the index depend on the size of the tag
 vocabulary and the reservoir rather than on the corpus and are not projected.
+
+The two paths of the pipeline are projected apart: the **library path** tags only the library sample
+(``tag.sample_fraction`` of the documents, at most ``tag.sample_max_docs``; none with
+``annotate.annotator_from``), the **corpus path** chunks, annotates and tokenizes every document.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict
     log(f"corpus: {total_docs:,} documents; sample: {len(docs)} documents")
     rows = []
 
-    def measured(stage: str, n: int, seconds: float, unit: str, total: float) -> None:
-        rows.append(_row(stage, n, seconds, unit, total, config))
+    def measured(stage: str, n: int, seconds: float, unit: str, total: float, path: str = "corpus") -> None:
+        rows.append(_row(stage, n, seconds, unit, total, config) | {"path": path})
         log(_measured(rows[-1], seconds))
 
     with tempfile.TemporaryDirectory(prefix="atlas-estimate-") as tmp:
@@ -76,6 +80,7 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict
             "path": str(sample), "format": "jsonl", "text_field": "text", "id_field": "id", "domain_field": "domain",
             "data_src_field": "data_src", "metadata_fields": [], "docs_per_shard": len(docs)})
         trial.execution = trial.execution.model_copy(update={"orchestrator": "inline", "progress": False})
+        trial.tag = trial.tag.model_copy(update={"sample_fraction": 1.0, "sample_max_docs": None})  # time them all
         run = RunDir(trial.run_dir)
         import pyarrow.parquet as pq
 
@@ -85,11 +90,15 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict
         total_chunks = total_docs * len(texts) / len(docs)
         measured("chunk", len(docs), run.shard_marker(layout.CHUNKS, 0)["seconds"], "docs", total_docs)
 
-        log(f"measuring tag ({config.llm.engine}) on {len(texts):,} chunks (loads the engine first; the slowest "
-            "measurement) ...")
-        run_stages(trial, ["tag"], log=lambda m: None)
-        measured(f"tag ({config.llm.engine})", len(texts), run.shard_marker(layout.TAGS, 0)["seconds"], "chunks",
-                 total_chunks)
+        share = library_share(config, total_docs)
+        if share:
+            log(f"measuring tag ({config.llm.engine}) on {len(texts):,} chunks (loads the engine first; the slowest "
+                f"measurement); the library sample is {share:.1%} of the documents ...")
+            run_stages(trial, ["tag"], log=lambda m: None)
+            measured(f"tag ({config.llm.engine})", len(texts), run.shard_marker(layout.TAGS, 0)["seconds"],
+                     "chunks", total_chunks * share, "library sample")
+        else:
+            log(f"no tagging: annotate.annotator_from uses the annotator of {config.annotate.annotator_from}")
 
         log(f"measuring annotate on {len(texts):,} chunks ...")
         measured(*_time_annotation(config, texts), "chunks", total_chunks)
@@ -97,6 +106,16 @@ def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict
         log(f"measuring tokenize on {len(texts):,} chunks ...")
         measured("tokenize", len(texts), _time_tokenization(config, texts), "chunks", total_chunks)
     return rows
+
+
+def library_share(config: AtlasConfig, total_docs: int) -> float:
+    """The share of the documents the tag stage sees: the library sample (none with annotate.annotator_from)."""
+    if config.annotate.annotator_from:
+        return 0.0
+    share = config.tag.sample_fraction
+    if config.tag.sample_max_docs is not None and total_docs:
+        share = min(share, config.tag.sample_max_docs / total_docs)
+    return share
 
 
 def _row(stage: str, n: int, seconds: float, unit: str, total: float, config: AtlasConfig) -> dict:
@@ -108,6 +127,10 @@ def _row(stage: str, n: int, seconds: float, unit: str, total: float, config: At
 
 def _time_annotation(config: AtlasConfig, texts: list[str]) -> tuple[str, int, float]:
     folder = RunDir(config.run_dir).output_dir(layout.ANNOTATOR)
+    if config.annotate.annotator_from:
+        from atlas.io.library import annotator_source
+
+        folder = annotator_source(config.annotate.annotator_from)[0]
     if (folder / "config.json").exists():
         from atlas.models.annotator import Annotator
 

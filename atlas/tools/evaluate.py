@@ -49,6 +49,7 @@ from atlas.config import AtlasConfig
 from atlas.core.files import ArtifactError, atomic_write_json, read_json, read_parquet
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.chunks import sample_position, sample_threshold
 from atlas.io.library import chunk_concepts, load_library
 
 NO_SOURCE = "(no data_src)"  # the source name of chunks whose data_src is null
@@ -424,11 +425,16 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     concepts = {r["concept_id"]: r for r in rows}
     assigned = chunk_concepts(run)
     chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
+    threshold = sample_threshold(run, config.tag.sample_fraction, config.tag.sample_max_docs)
+    if threshold < 1:  # the library saw the tags of the sample only: evaluate it on those documents
+        kept = [i for i, doc in enumerate(chunks["doc_id"]) if sample_position(doc) < threshold]
+        chunks = {column: [values[i] for i in kept] for column, values in chunks.items()}
     chunk_labels, fields = _chunk_labels(chunks["metadata"], label_field)
     labels = {c: v for c, v in zip(chunks["chunk_id"], chunk_labels) if v is not None}
     texts = {c: t for c, t in zip(chunks["chunk_id"], chunks["chunk_text"]) if c in assigned}
     labeled = sorted(c for c in assigned if c in labels)
-    summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned), "label_field": label_field}
+    summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned), "label_field": label_field,
+                     "library_sample_chunks": len(chunks["chunk_id"])}
     if not labeled:  # no purity, NMI or counts that read as results: say why there are none
         summary["label_metrics"] = (no_labels(label_field, fields) if not labels else
                                     f"not computed: none of the {len(labels):,} chunks with a {label_field!r} label "

@@ -115,11 +115,15 @@ def _read_json(path: Path):
 
 
 def _summary(run, manifest: dict, statuses) -> str:
-    not_run = [s.name for s in statuses if s.state != "done"]
+    not_run = [s.name for s in statuses if s.state not in ("done", "not in this run")]
     packages = ", ".join(f"{k} {v}" for k, v in manifest.get("packages", {}).items() if v != "not installed")
     rows = [["run directory", str(run.root.resolve())], ["config hash", stable_hash(manifest.get("config", {}))[:12]],
             ["manifest updated", manifest.get("updated", "?")], ["packages", packages],
             ["stages not done", ", ".join(not_run) or "none: every stage is done"]]
+    from atlas.tools.status import sample_summary
+
+    if sample := sample_summary(manifest, statuses):
+        rows.append(["library built from", sample])
     return _table(None, rows)
 
 

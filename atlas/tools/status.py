@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 
 from atlas.core.lock import pid_alive
 from atlas.core.rundir import RunDir
-from atlas.stages import STAGES
+from atlas.stages import LIBRARY_STAGES, STAGES
 
 
 @dataclass
 class StageStatus:
     name: str
-    state: str  # done, running, interrupted, failed, planned, not started, unknown (a record without hash)
+    # done, running, interrupted, failed, planned, not started, unknown (a record without hash), not in this run (a
+    # library stage of a run that uses another run's annotator)
+    state: str
     shards_done: int = 0
     shards_total: int = 0
     counters: dict = field(default_factory=dict)  # summed over the finished shards
@@ -47,11 +49,13 @@ def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
     if not manifest:
         raise FileNotFoundError(f"{run.root}: not an Atlas run directory (no manifest.json)")
     recorded, alive = manifest.get("stages", {}), driver_alive(manifest.get("driver"))
+    borrowed = manifest.get("config", {}).get("annotate", {}).get("annotator_from")
     statuses = []
     for name, stage in STAGES.items():
         info = recorded.get(name)
         if not info:
-            statuses.append(StageStatus(name, "not started"))
+            statuses.append(StageStatus(name, "not in this run" if borrowed and name in LIBRARY_STAGES
+                                        else "not started"))
             continue
         if not info.get("hash"):  # a half record (older Atlas, two runs at once): not done, whatever it says
             statuses.append(StageStatus(name, "unknown"))
@@ -84,11 +88,13 @@ def format_status(run: RunDir) -> str:
         where = f"pid {driver.get('pid')} on {driver.get('host')}"
         lines.append(f"  driver {where}: " + {True: "running", False: "not running (the run was stopped; rerun the "
                                                 "same command to resume)", None: "on another host"}[alive])
-    lines.append(f"  {'stage':<16} {'state':<12} {'shards':>9} {'dropped':>9} {'work s':>9} {'wall s':>9}")
+    if sample := sample_summary(manifest, statuses):
+        lines.append(f"  {sample}")
+    lines.append(f"  {'stage':<16} {'state':<15} {'shards':>9} {'dropped':>9} {'work s':>9} {'wall s':>9}")
     for s in statuses:
         shards = f"{s.shards_done}/{s.shards_total}" if s.shards_total else "-"
         wall = f"{s.wall_seconds:.1f}" if s.wall_seconds is not None else "-"
-        lines.append(f"  {s.name:<16} {s.state:<12} {shards:>9} {sum(s.drops.values()):>9,} "
+        lines.append(f"  {s.name:<16} {s.state:<15} {shards:>9} {sum(s.drops.values()):>9,} "
                      f"{s.shard_seconds:>9.1f} {wall:>9}")
         kept = [f"{k}={v:,}" for k, v in s.counters.items() if not k.startswith("dropped.")]
         if kept:
@@ -102,6 +108,22 @@ def format_status(run: RunDir) -> str:
             lines.append(f"      its manifest record is incomplete (no hash): recompute it with "
                          f"atlas run CONFIG --force --stages {s.name}")
     return "\n".join(lines)
+
+
+def sample_summary(manifest: dict, statuses: list[StageStatus]) -> str:
+    """What the library was built from, when not from every document: the tagged sample, or another run's
+    annotator ("" otherwise)."""
+    config = manifest.get("config", {})
+    if borrowed := config.get("annotate", {}).get("annotator_from"):
+        return f"annotator and library from {borrowed}: this run tags nothing"
+    tag = next(s for s in statuses if s.name == "tag").counters
+    if "docs_sampled" not in tag or tag["chunks_sampled"] == tag.get("chunks_in"):
+        return ""
+    rule = config.get("tag", {})
+    cap = f", at most {rule['sample_max_docs']:,}" if rule.get("sample_max_docs") else ""
+    return (f"library sample (tag.sample_fraction {rule.get('sample_fraction')}{cap}): {tag['docs_sampled']:,} of "
+            f"{tag['docs_in']:,} documents, {tag['chunks_sampled']:,} of {tag['chunks_in']:,} chunks tagged; "
+            f"annotate, tokenize and index see every chunk")
 
 
 def status_rows(run: RunDir) -> list[dict]:
