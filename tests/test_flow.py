@@ -57,9 +57,16 @@ def test_prefect_flow_gives_the_same_outputs_as_the_inline_loop(tmp_path, larger
                     "limit": 50}
             response = await client._client.post("/artifacts/filter", json=body)
             return latest, response.json()
-    latest, artifacts = asyncio.run(read_back())
-    names = {t.name: t.state_name for t in latest}
-    assert {f"chunk-{i:05d}" for i in range(72)} == set(names) and set(names.values()) == {"Completed"}
+    def all_recorded():
+        """The server records task states and artifacts a moment after the flow returns: read until they are in."""
+        latest, artifacts = asyncio.run(read_back())
+        names = {t.name: t.state_name for t in latest}
+        complete = ({f"chunk-{i:05d}" for i in range(72)} == set(names) and set(names.values()) == {"Completed"}
+                    and any(a["key"] == "atlas-status" and str(tmp_path) in a["description"] for a in artifacts))
+        return (latest, artifacts) if complete else None
+
+    latest, artifacts = wait_for(all_recorded, "the Prefect server to record 72 completed task runs and the status "
+                                 "artifact", 30, interval=0.5)
     table = next(a for a in artifacts if a["key"] == "atlas-status" and str(tmp_path) in a["description"])
     chunk_row = next(row for row in json.loads(table["data"]) if row["stage"] == "chunk")
     assert chunk_row["state"] == "done" and chunk_row["shards"] == "72/72"
