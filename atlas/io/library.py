@@ -108,11 +108,11 @@ def folder_digest(folder: Path) -> str:
     return stable_hash({str(p.relative_to(folder)): sha256_bytes(p.read_bytes()) for p in _result_files(folder)})
 
 
-def import_folder(source: Path, target: Path) -> bool:
-    """Make ``target`` a copy of ``source``'s result files (a copy cut short by a kill is redone); False when it
-    already was one. The copy goes to a temporary folder first, so ``target`` is either the old or the new."""
+def import_folder(source: Path, target: Path) -> None:
+    """Make ``target`` a copy of ``source``'s result files, unless it already is one (a copy cut short by a kill is
+    redone). The copy goes to a temporary folder first, so ``target`` is either the old or the new."""
     if target.is_dir() and folder_digest(target) == folder_digest(source):
-        return False
+        return
     staging = target.with_name(f".{target.name}.import.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     for path in _result_files(source):
@@ -121,4 +121,3 @@ def import_folder(source: Path, target: Path) -> bool:
         shutil.copy2(path, copy)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    return True
