@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes
+from atlas.core.files import ArtifactError, open_parquet, read_json, sha256_bytes
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 
@@ -25,6 +26,7 @@ CHUNK_SCHEMA = pa.schema(
 )
 
 
+READ_BATCH_ROWS = 8192  # chunk rows decoded at a time by read_chunks
 SAMPLE_FILE = "_sample.json"  # in RUN/tags/: the library sample's rule (see sample_threshold)
 
 
@@ -53,10 +55,19 @@ def sample_threshold(run: RunDir, fraction: float, max_docs: int | None = None) 
 
 
 def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:
-    """The given columns of the chunks whose id is in ``wanted``, by chunk id (read part by part)."""
+    """The given columns of the chunks whose id is in ``wanted``, by chunk id (a later part's row wins).
+
+    The parts are decoded ``READ_BATCH_ROWS`` rows at a time and filtered in Arrow, on this thread (the decoder's
+    threads would each keep memory): memory holds one batch and the wanted rows, whatever the corpus."""
+    names = ["chunk_id", *columns]
+    ids = pa.array(list(wanted), pa.string())
     found = {}
     for part in run.parts(layout.CHUNKS):
-        for row in read_parquet(part, ["chunk_id", *columns]).to_pylist():
-            if row["chunk_id"] in wanted:
-                found[row["chunk_id"]] = row
+        with open_parquet(part, names) as pf:
+            try:
+                for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=names, use_threads=False):
+                    for row in batch.filter(pc.is_in(batch.column("chunk_id"), value_set=ids)).to_pylist():
+                        found[row["chunk_id"]] = row
+            except (pa.ArrowException, OSError) as e:
+                raise ArtifactError(f"{part}: cannot be decoded ({e}): truncated or damaged") from None
     return found

@@ -30,6 +30,7 @@ BATCH_ROWS = 64_000  # rows per record batch fetched from DuckDB
 ROW_GROUP_ROWS = 64_000  # as atomic_write_parquet, so a streamed part has the bytes a whole-table write gives
 MAX_LIST_VALUES = 500_000  # a row group also ends before its list column passes this many values (bounds memory)
 LIST_BUDGET = 100_000  # list values read from DuckDB at a time
+PAIRS_PER_PASS = 500_000  # (tag, chunk) pairs a query unnests at a time: its memory does not grow with the corpus
 
 
 def sql_list(values: Iterable[str | Path]) -> str:
@@ -67,19 +68,24 @@ def scratch(folder: Path) -> Iterator[Path]:
 
 @contextmanager
 def duckdb_session(folder: Path, memory_gb: float) -> Iterator:
-    """An in-memory DuckDB database that holds at most ``memory_gb`` and spills to ``folder`` (see ``scratch``).
+    """A DuckDB database that holds at most ``memory_gb`` in memory and keeps the rest in ``folder`` (see ``scratch``).
 
-    Use tables, not TEMP tables, for what a second cursor (``con.cursor()``) must see: one connection streams one
-    result at a time."""
+    The database is a file there, removed on the way out: the tables a stage builds (a row per tag, per chunk) are
+    then evicted to disk like any other block, where an in-memory database would have to hold them whole. Use
+    tables, not TEMP tables, for what a second cursor (``con.cursor()``) must see: one connection streams one result
+    at a time."""
     import duckdb
 
-    con = duckdb.connect(":memory:", config={
+    database = folder / f"work.{os.getpid()}.duckdb"
+    con = duckdb.connect(str(database), config={
         "memory_limit": f"{max(int(memory_gb * 1024), 64)}MiB", "temp_directory": str(folder / "duckdb"),
         "threads": THREADS, "preserve_insertion_order": False})
     try:
         yield con
     finally:
         con.close()
+        for path in (database, database.with_name(database.name + ".wal")):
+            path.unlink(missing_ok=True)
 
 
 def record_batches(con, sql: str, params: list | None = None, rows: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,17 +37,34 @@ def tag_parts(run: RunDir) -> list[Path]:
     return checked_parts(run, layout.TAGS, TAG_SCHEMA)
 
 
-def load_vocab(run: RunDir) -> tuple[pa.Table, np.ndarray]:
-    """The vocabulary table and its aligned float16 embeddings."""
+def load_vocab(run: RunDir, columns: list[str] | None = None) -> tuple[pa.Table, np.ndarray]:
+    """The vocabulary table (``columns`` of it; None: all, with every tag's chunk ids, which grow with the corpus)
+    and its aligned float16 embeddings, memory-mapped: read a block at a time, they cost no memory up front."""
     folder = run.output_dir(layout.TAG_VOCAB)
-    table = read_parquet(folder / "part-00000.parquet", required=VOCAB_SCHEMA)
+    part = folder / "part-00000.parquet"
+    table = read_parquet(part, columns, required=VOCAB_SCHEMA)
     try:
-        vectors = np.load(folder / "_embeddings.npy", allow_pickle=False)  # never unpickle from a run directory
+        # never unpickle from a run directory
+        vectors = np.load(folder / "_embeddings.npy", mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder / '_embeddings.npy'}: unreadable ({e}); "
                          "rerun the vocab stage with --force") from None
     if vectors.ndim != 2 or len(vectors) != table.num_rows:
-        raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but "
-                            f"{folder / 'part-00000.parquet'} has {table.num_rows} tags (row i embeds tag i); "
-                            "rerun the vocab stage with --force")
+        raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but {part} has {table.num_rows} "
+                            "tags (row i embeds tag i); rerun the vocab stage with --force")
     return table, vectors
+
+
+def float_rows(x: np.ndarray, rows) -> np.ndarray:
+    """Rows of ``x`` (an array, or the memory map of a whole .npy file, as ``load_vocab`` gives) in float32.
+
+    A memory map's rows are read from its file: a page read through the map would stay in RSS, with its neighbours
+    (the kernel maps those too), so scattered rows would soon map the whole file."""
+    if not (isinstance(x, np.memmap) and isinstance(x.base, mmap.mmap)):  # an array, or a view of a map
+        return np.asarray(x[rows], dtype=np.float32)
+    width = x.dtype.itemsize * x.shape[1]
+    out = np.empty((len(rows), x.shape[1]), dtype=np.float32)
+    with open(x.filename, "rb") as f:
+        for i, row in enumerate(rows):
+            out[i] = np.frombuffer(os.pread(f.fileno(), width, x.offset + int(row) * width), dtype=x.dtype)
+    return out

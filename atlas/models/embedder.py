@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import sqlite3
+import time
 import zipfile
 from pathlib import Path
 
@@ -103,32 +104,67 @@ class Embedder:
 
 
 class EmbeddingCache:
-    """FP16 vectors by (model, text) in SQLite; one file per model under ``folder``."""
+    """FP16 vectors by (model, text) in SQLite; one file per model under ``folder``.
+
+    A text is keyed by the first 16 bytes of its sha256 (a short fixed-size key, however long the text: chunks are
+    ~1 KB). The key is a unique index over an append-only rowid table: the vectors (768 bytes each) then lie in
+    insertion order and only the small index takes random inserts. Writes are committed at most every
+    ``COMMIT_SECONDS`` and on ``close``, each batch inside one transaction: committing every batch rewrites most of
+    the index's pages each time once the index outgrows the page cache."""
+
+    VERSION = 2  # in the file name: a cache of another layout (v1 was keyed by the text itself) is not read
+    COMMIT_SECONDS = 5.0
+    PAGE_CACHE_KIB = 16_384
+    MAX_PARAMETERS = 30_000  # SQLite takes at most 32,766 in one statement
 
     def __init__(self, folder: Path, model: str):
         from atlas.core.files import stable_hash
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(folder / f"{stable_hash(model)[:16]}.sqlite")
-        self.db.execute("CREATE TABLE IF NOT EXISTS vectors (text TEXT PRIMARY KEY, vector BLOB)")
+        self.db = sqlite3.connect(folder / f"{stable_hash(model)[:16]}-v{self.VERSION}.sqlite", timeout=60,
+                                  isolation_level=None)  # transactions are opened and committed here, explicitly
+        self.db.execute(f"PRAGMA cache_size = -{self.PAGE_CACHE_KIB}")
+        self.db.execute("CREATE TABLE IF NOT EXISTS vectors (key BLOB NOT NULL UNIQUE, vector BLOB NOT NULL)")
+        self.last_commit = time.monotonic()
 
-    def get(self, texts: list[str]) -> np.ndarray | None:
-        """All vectors of ``texts``, or None if any is missing."""
-        rows = []
-        for text in texts:
-            row = self.db.execute("SELECT vector FROM vectors WHERE text = ?", (text,)).fetchone()
-            if row is None:
-                return None
-            rows.append(np.frombuffer(row[0], dtype=np.float16))
-        return np.stack(rows)
+    @staticmethod
+    def keys(texts: list[str]) -> list[bytes]:
+        return [hashlib.sha256(t.encode()).digest()[:16] for t in texts]
 
-    def put(self, texts: list[str], vectors: np.ndarray) -> None:
-        with self.db:
-            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)",
-                                [(t, v.astype(np.float16).tobytes()) for t, v in zip(texts, vectors)])
+    def get(self, keys: list[bytes]) -> np.ndarray | None:
+        """The vectors of the texts of ``keys``, in their order, or None if any is missing (a query per 30,000)."""
+        found: dict[bytes, bytes] = {}
+        for start in range(0, len(keys), self.MAX_PARAMETERS):
+            part = keys[start : start + self.MAX_PARAMETERS]
+            found.update(self.db.execute(f"SELECT key, vector FROM vectors WHERE key IN ({','.join('?' * len(part))})",
+                                         part).fetchall())
+        if not keys or len(found) < len(set(keys)):
+            return None
+        return np.stack([np.frombuffer(found[k], dtype=np.float16) for k in keys])
+
+    def put(self, keys: list[bytes], vectors: np.ndarray) -> None:
+        rows = [(k, v.astype(np.float16).tobytes()) for k, v in zip(keys, vectors)]
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN")
+        try:
+            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)", rows)
+        except BaseException:
+            if self.db.in_transaction:  # never part of a batch: what this transaction held is dropped
+                self.db.execute("ROLLBACK")
+            raise
+        if time.monotonic() - self.last_commit >= self.COMMIT_SECONDS:
+            self.commit()
+
+    def commit(self) -> None:
+        if self.db.in_transaction:
+            self.db.execute("COMMIT")
+        self.last_commit = time.monotonic()
 
     def close(self) -> None:
-        self.db.close()
+        try:
+            self.commit()  # whole batches only: a batch is put in one call
+        finally:
+            self.db.close()
 
 
 def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size: int | None = None,
@@ -145,10 +181,11 @@ def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size
     try:
         for start in range(0, len(texts), size):
             batch = texts[start : start + size]
-            vectors = cache.get(batch)
+            keys = cache.keys(batch)
+            vectors = cache.get(keys)
             if vectors is None:
                 vectors = embedder.encode(batch).astype(np.float16)
-                cache.put(batch, vectors)
+                cache.put(keys, vectors)
                 computed += len(batch)
             parts.append(vectors)
             if progress is not None:

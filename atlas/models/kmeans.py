@@ -33,9 +33,10 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
            verbose: bool = False) -> np.ndarray:
     """Spherical k-means with FAISS: fit on a sample, so that assigning everything is the only pass over all points.
 
-    FAISS draws (with ``seed``) a random subsample of ``k * max_points_per_centroid`` points when ``x`` has more
-    rows than that, and runs Lloyd iterations on the sample only. This is what makes sweeping large ``k`` over a
-    vocabulary of ~1M tags affordable: the training cost is bounded by the sample, not by the vocabulary. The
+    When ``x`` has more than ``k * max_points_per_centroid`` rows, a random subsample of that many (drawn with
+    ``seed``) is read, and Lloyd iterations run on the sample only; ``x`` may be a memory map of any size. This is
+    what makes sweeping large ``k`` over a vocabulary of ~1M tags affordable: the training cost and memory are
+    bounded by the sample, not by the vocabulary. The
     centroids say nothing about points outside the sample until :func:`assign` is run over all of ``x``.
 
     Initialization is FAISS' default (``k`` distinct random sample points, one run). Like any Lloyd-style k-means
@@ -62,14 +63,17 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
     Raises:
         ValueError: If ``x`` is not a non-empty 2-D array or ``k < 1``.
     """
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ValueError(f"expected a non-empty (n, d) array, got shape {x.shape}")
+    if np.ndim(x) != 2 or np.shape(x)[0] == 0:
+        raise ValueError(f"expected a non-empty (n, d) array, got shape {np.shape(x)}")
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    n, d = x.shape
+    n, d = np.shape(x)
     if k >= n:
         return _normalize(x)
+    if n > k * max_points_per_centroid:  # sample here, so only the sampled rows of a memory map are ever read
+        rows = np.sort(np.random.default_rng([seed, 3]).choice(n, k * max_points_per_centroid, replace=False))
+        x = x[rows]
+    x = np.ascontiguousarray(x, dtype=np.float32)
     # min_points_per_centroid only controls FAISS' "please provide at least ... points" warning on stderr; the
     # k grid deliberately goes down to ~5 points per cluster, so the warning would only be noise.
     km = faiss.Kmeans(d, k, niter=niter, seed=seed, spherical=True, max_points_per_centroid=max_points_per_centroid,

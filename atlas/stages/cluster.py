@@ -58,8 +58,7 @@ class ClusterStage(Stage):
         from atlas.models.kmeans import assign, cluster_quality, k_grid, kmeans
 
         c = self.config.library
-        vocab, vectors = load_vocab(run)
-        x = vectors.astype(np.float32)
+        vocab, x = load_vocab(run, ["tag_norm", "count"])  # x: float16 on disk; k-means reads a sample of it
         stats = Stats({"tags_in": len(x)})
         grid = [c.k] if c.k else k_grid(len(x), c.ks)
         if not grid:

@@ -27,6 +27,10 @@ the tag-set test the stage then drops 22% of the clusters (the paper's LLM judge
 
 A cluster is kept when core >= 9, random >= 8 and edge >= 7 (``library.core_min`` etc.). A cluster of one tag is
 trivially coherent (10). Dropped clusters go to ``coherence/_rejects/`` with their scores.
+
+**Memory** does not grow with the corpus: the tag vectors stay memory-mapped (only the scored rows and the null's are
+read), DuckDB draws the chunk samples from the vocabulary's (tag, chunk) pairs a bounded pass at a time
+(``PAIRS_PER_PASS``), and only the drawn chunks (at most ``COHESION_SAMPLE`` a cluster) are read and embedded.
 """
 
 from __future__ import annotations
@@ -39,13 +43,22 @@ import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_parquet
+from atlas.core.files import ArtifactError, atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.chunks import read_chunks
-from atlas.io.tags import load_vocab
+from atlas.io.outofcore import (
+    PAIRS_PER_PASS,
+    budget_slices,
+    checked_parts,
+    duckdb_session,
+    record_batches,
+    rows_of,
+    scratch,
+    sql_list,
+)
+from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
 from atlas.models.embedder import Embedder, encode_cached
@@ -53,6 +66,7 @@ from atlas.models.embedder import Embedder, encode_cached
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
 COHESION_SAMPLE = 200  # chunks per cluster (and of the corpus) whose embeddings measure chunk cohesion
+EMBED_SLICE_BATCHES = 16  # encoder batches of chunk texts read and embedded at a time
 OFFLINE_SCORE_CURVE = ((0.0, 1.0), (3.0, 6.5), (12.0, 8.5), (18.75, 10.0))  # offline: (z, score) points, see above
 STRATA = ("core", "random", "edge")
 COHERENCE_SCHEMA = pa.schema(
@@ -76,7 +90,7 @@ def null_cohesion(x: np.ndarray, sizes: set[int], seed: int) -> dict[int, tuple[
     rng = np.random.default_rng([seed, 7])
     null = {}
     for n in sorted(s for s in sizes if 2 <= s <= len(x)):
-        values = [mean_pairwise_cosine(x[rng.choice(len(x), n, replace=False)]) for _ in range(NULL_SETS)]
+        values = [mean_pairwise_cosine(float_rows(x, rng.choice(len(x), n, replace=False))) for _ in range(NULL_SETS)]
         null[n] = (float(np.mean(values)), float(np.std(values)) or 1e-6)
     return null
 
@@ -98,6 +112,11 @@ def strata(members: np.ndarray, similarity: np.ndarray, size: int, rng: np.rando
     if len(order) <= size:
         return {name: order for name in STRATA}
     return {"core": order[:size], "random": np.sort(rng.choice(order, size, replace=False)), "edge": order[-size:]}
+
+
+def sample_positions(n: int, rng: np.random.Generator) -> np.ndarray:
+    """Positions of the chunks sampled from ``n`` (all of them up to COHESION_SAMPLE), ascending."""
+    return np.sort(rng.choice(n, COHESION_SAMPLE, replace=False)) if n > COHESION_SAMPLE else np.arange(n)
 
 
 def coherence_prompt():
@@ -136,21 +155,21 @@ class CoherenceStage(Stage):
         from atlas.models.kmeans import members_of_clusters  # faiss and scikit-learn: the library extra
 
         c = self.config.library
-        vocab, vectors = load_vocab(run)
-        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
-        x = vectors.astype(np.float32)
-        labels = np.asarray(clusters["cluster_id"])
-        similarity = np.asarray(clusters["similarity"])
-        counts = np.asarray(clusters["count"])
-        tags = clusters["tag_norm"]
+        vocab, vectors = load_vocab(run, ["n_chunks"])  # float16, memory-mapped: only the rows scored are read
+        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0), columns=["cluster_id", "similarity", "count"])
+        labels = clusters.column("cluster_id").to_numpy()
+        similarity = clusters.column("similarity").to_numpy()
+        counts = clusters.column("count").to_numpy()
         members_of = members_of_clusters(labels)
         sets = {}  # (cluster, stratum) -> tag indices
         for cluster, members in members_of.items():
             rng = np.random.default_rng([c.seed, cluster])
             for stratum, indices in strata(members, similarity, c.strata_size, rng).items():
                 sets[(cluster, stratum)] = indices
-        scores = self._score(sets, x, tags)
-        cohesion = self._chunk_cohesion(run, members_of, tags) if c.min_chunk_cohesion > 0 else {}
+        scores = self._score(run, sets, vectors)
+        n_chunks = vocab.column("n_chunks").to_numpy()
+        pairs = np.array([n_chunks[members].sum() for members in members_of.values()], dtype=np.int64)
+        cohesion = self._chunk_cohesion(run, np.array(list(members_of)), pairs) if c.min_chunk_cohesion > 0 else {}
 
         rows, stats = [], Stats({"clusters_in": len(members_of)})
         for cluster, members in members_of.items():
@@ -175,44 +194,118 @@ class CoherenceStage(Stage):
         self._plot(run, rows)
         return stats
 
-    def _chunk_cohesion(self, run: RunDir, members_of: dict[int, np.ndarray], tags: list[str]) -> dict[int, float]:
-        """Per cluster: the excess cohesion of its chunks over random chunks (see the module docstring)."""
-        vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
-        chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
-        seed = self.config.library.seed
-        covered = {}
-        for cluster, members in members_of.items():
-            chunks = sorted({chunk for i in members for chunk in chunks_of_tag[tags[i]]})
-            rng = np.random.default_rng([seed, cluster, 1])
-            covered[cluster] = ([chunks[i] for i in np.sort(rng.choice(len(chunks), COHESION_SAMPLE, replace=False))]
-                                if len(chunks) > COHESION_SAMPLE else chunks)
-        every = sorted({chunk for chunks in vocab["chunk_ids"] for chunk in chunks})
-        rng = np.random.default_rng([seed, 2])
-        background = ([every[i] for i in np.sort(rng.choice(len(every), COHESION_SAMPLE, replace=False))]
-                      if len(every) > COHESION_SAMPLE else every)
-        ids = sorted({chunk for chunks in covered.values() for chunk in chunks} | set(background))
-        texts = read_chunks(run, set(ids))
-        vectors, _ = encode_cached(self.embedder, [texts[i]["chunk_text"] for i in ids],
-                                   run.root / layout.CACHE / "embeddings", self.config.vocab.batch_size)
+    def _chunk_cohesion(self, run: RunDir, clusters: np.ndarray, pairs: np.ndarray) -> dict[int, float]:
+        """Per cluster (``clusters``, ascending, with about ``pairs`` (tag, chunk) pairs each): the excess cohesion of
+        its chunks over random chunks (see the module docstring)."""
+        tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
+        memory_gb = self.config.execution.memory_gb
+        with scratch(tmp):
+            with duckdb_session(tmp, memory_gb) as con:
+                vocab = f"read_parquet({sql_list([run.part_path(layout.TAG_VOCAB, 0)])})"
+                con.execute(f"CREATE VIEW tag_chunks AS SELECT k.cluster_id, v.chunk_ids FROM {vocab} v "
+                            f"JOIN read_parquet({sql_list([run.part_path(layout.CLUSTERS, 0)])}) k USING (tag_norm)")
+                con.execute(f"CREATE VIEW every_chunk AS SELECT unnest(chunk_ids) AS chunk_id FROM {vocab}")
+                covered = self._cluster_samples(con, clusters, pairs)
+                background = self._background_sample(con, int(pairs.sum()))
+            ids = sorted({chunk for chunks in covered.values() for chunk in chunks} | set(background))
+            with duckdb_session(tmp, memory_gb) as con:  # a new session: the sampling's memory is given back first
+                vectors = self._embed_chunks(con, run, ids)
         row = {chunk: i for i, chunk in enumerate(ids)}
-        v = vectors.astype(np.float32)
         if len(background) < 2:
             return {}
-        baseline = min(mean_pairwise_cosine(v[[row[i] for i in background]]), 1 - 1e-6)
-        return {cluster: ((mean_pairwise_cosine(v[[row[i] for i in chunks]]) - baseline) / (1 - baseline)
-                          if len(chunks) > 1 else None)
+        baseline = min(mean_pairwise_cosine(float_rows(vectors, [row[i] for i in background])), 1 - 1e-6)
+        return {cluster: ((mean_pairwise_cosine(float_rows(vectors, [row[i] for i in chunks])) - baseline)
+                          / (1 - baseline) if len(chunks) > 1 else None)
                 for cluster, chunks in covered.items()}
 
-    def _score(self, sets: dict, x: np.ndarray, tags: list[str]) -> dict:
+    def _cluster_samples(self, con, clusters: np.ndarray, pairs: np.ndarray) -> dict[int, list[str]]:
+        """Per cluster with chunks: the chunk ids drawn by position among its distinct chunk ids sorted (all of them
+        up to COHESION_SAMPLE). DuckDB numbers the chunks of a range of clusters at a time (PAIRS_PER_PASS)."""
+        covered = {}
+        for part in budget_slices(pairs, PAIRS_PER_PASS):
+            con.execute(f"""CREATE OR REPLACE TABLE numbered AS SELECT cluster_id, chunk_id,
+                                row_number() OVER (PARTITION BY cluster_id ORDER BY chunk_id) - 1 AS pos
+                            FROM (SELECT DISTINCT cluster_id, chunk_id FROM (
+                                      SELECT cluster_id, unnest(chunk_ids) AS chunk_id FROM tag_chunks
+                                      WHERE cluster_id BETWEEN {clusters[part][0]} AND {clusters[part][-1]}))""")
+            drawn = {cluster: sample_positions(n, np.random.default_rng([self.config.library.seed, cluster, 1]))
+                     for cluster, n in con.execute("SELECT cluster_id, count(*) FROM numbered GROUP BY cluster_id")
+                     .fetchall()}
+            con.register("drawn", pa.table({
+                "cluster_id": np.repeat(np.array(list(drawn), np.int64), [len(p) for p in drawn.values()]),
+                "pos": np.concatenate([np.zeros(0, np.int64), *drawn.values()])}))
+            for cluster, chunk in con.execute("SELECT cluster_id, chunk_id FROM numbered JOIN drawn "
+                                              "USING (cluster_id, pos) ORDER BY cluster_id, pos").fetchall():
+                covered.setdefault(cluster, []).append(chunk)
+            con.unregister("drawn")
+        con.execute("DROP TABLE IF EXISTS numbered")
+        return covered
+
+    def _background_sample(self, con, n_pairs: int) -> list[str]:
+        """The chunk ids drawn by position among every chunk id of the vocabulary sorted (all of them up to
+        COHESION_SAMPLE). DuckDB counts, then numbers, the ids of one range at a time (about PAIRS_PER_PASS (tag,
+        chunk) pairs each, split at the ids of a hashed sample): it never holds every id."""
+        ranges = -(-n_pairs // PAIRS_PER_PASS)
+        bounds = []
+        if ranges > 1:  # about 100 sample ids a range; only the split depends on them, not the draw
+            every = max(n_pairs // (100 * ranges), 1)  # inlined: as a parameter, DuckDB is 20x slower here
+            sample = sorted(chunk for chunk, in con.execute(
+                f"SELECT DISTINCT chunk_id FROM every_chunk WHERE hash(chunk_id) % {every} = 0").fetchall())
+            bounds = sorted({sample[len(sample) * i // ranges] for i in range(1, ranges)}) if sample else []
+        edges = [{"lo": lo, "hi": hi} for lo, hi in zip(["", *bounds], [*bounds, None])]  # [lo, hi), None: no end
+        where = "chunk_id >= $lo AND ($hi IS NULL OR chunk_id < $hi)"
+        counts = [con.execute(f"SELECT count(DISTINCT chunk_id) FROM every_chunk WHERE {where}", edge).fetchone()[0]
+                  for edge in edges]
+        drawn = sample_positions(sum(counts), np.random.default_rng([self.config.library.seed, 2]))
+        background, start = [], 0
+        for edge, n in zip(edges, counts):
+            mine = drawn[(drawn >= start) & (drawn < start + n)] - start  # positions in this range
+            start += n
+            if len(mine) == 0:
+                continue
+            con.register("drawn", pa.table({"pos": mine}))
+            background += [chunk for chunk, in con.execute(f"""
+                SELECT chunk_id FROM (SELECT chunk_id, row_number() OVER (ORDER BY chunk_id) - 1 AS pos
+                                      FROM (SELECT DISTINCT chunk_id FROM every_chunk WHERE {where}))
+                JOIN drawn USING (pos) ORDER BY pos""", edge).fetchall()]
+            con.unregister("drawn")
+        return background
+
+    def _embed_chunks(self, con, run: RunDir, ids: list[str]) -> np.ndarray:
+        """The float16 embeddings of the chunks ``ids``, in that order. Their texts come from DuckDB a slice at a
+        time, each a whole number of batches: the batches, and so the cache entries, are those of one call."""
+        chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
+        con.register("wanted", pa.table({"idx": np.arange(len(ids), dtype=np.int64),
+                                         "chunk_id": pa.array(ids, pa.string())}))
+        size, vectors, done = self.config.vocab.batch_size, None, 0
+        slice_rows = EMBED_SLICE_BATCHES * size
+        texts = record_batches(con, f"SELECT w.idx, c.chunk_text FROM wanted w JOIN read_parquet({sql_list(chunks)}) "
+                                    f"c USING (chunk_id) ORDER BY w.idx", rows=slice_rows)
+        for table in rows_of(texts, slice_rows):
+            if not np.array_equal(table.column("idx").to_numpy(), np.arange(done, done + table.num_rows)):
+                break
+            block, _ = encode_cached(self.embedder, table.column("chunk_text").to_pylist(),
+                                     run.root / layout.CACHE / "embeddings", size)
+            if vectors is None:  # filled in place: no second copy to concatenate
+                vectors = np.empty((len(ids), block.shape[1]), dtype=block.dtype)
+            vectors[done : done + len(block)] = block
+            done += len(block)
+        if done != len(ids):
+            raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: chunks of the tag vocabulary are missing from the "
+                                "chunk parts, or are there twice; recompute the chunk stage")
+        return vectors
+
+    def _score(self, run: RunDir, sets: dict, x: np.ndarray) -> dict:
         if self.engine is None:
             reference = min(self.config.library.strata_size, len(x))
             sizes = {len(indices) for indices in sets.values()} | {reference}
             null = null_cohesion(x, sizes, self.config.library.seed)
-            return {key: cohesion_score(x[indices], null, reference) for key, indices in sets.items()}
+            return {key: cohesion_score(float_rows(x, indices), null, reference) for key, indices in sets.items()}
         prompt, keys = self.prompt, list(sets)
+        tags = pq.read_table(run.part_path(layout.CLUSTERS, 0), columns=["tag_norm"]).column(0)
+        listed = {key: "\n".join(f"- {t}" for t in tags.take(indices).to_pylist()) for key, indices in sets.items()}
         requests = [LLMRequest(key=f"{cluster}:{stratum}", system=prompt.templates["system"],
-                               user=prompt.render("user",
-                                                  tags="\n".join(f"- {tags[i]}" for i in sets[(cluster, stratum)])),
+                               user=prompt.render("user", tags=listed[(cluster, stratum)]),
                                schema=SCORE_SCHEMA, schema_name="coherence")
                     for cluster, stratum in keys]
         scores = {}

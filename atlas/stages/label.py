@@ -8,11 +8,13 @@ counted. Offline (``atlas.models.labeler``), the name is the cluster's most repr
 distinctive tag, and the description lists its other evidence tags with a sentence of its most
 representative chunk. No two concepts share a name: a repeated name gets the cluster's next most
 representative tag.
+
+Memory does not grow with the corpus: the tag vectors stay memory-mapped (only the kept clusters' top tags are
+read), DuckDB chooses the example chunks from the top tags' (tag, chunk) pairs a bounded pass at a time
+(``PAIRS_PER_PASS``), and only the chosen chunks' texts are read.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +27,8 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import read_chunks
-from atlas.io.tags import load_vocab
+from atlas.io.outofcore import PAIRS_PER_PASS, budget_slices, duckdb_session, scratch, sql_list
+from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.models.labeler import (
     example_sentence,
@@ -72,34 +75,35 @@ class LabelStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         from atlas.models.kmeans import members_of_clusters  # faiss and scikit-learn: the library extra
 
-        _, vectors = load_vocab(run)
-        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
+        vocab, vectors = load_vocab(run, ["n_chunks"])  # float16, memory-mapped: only the top tags' rows are read
+        clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0), columns=["cluster_id", "count"])
         centroids = np.load(run.output_dir(layout.CLUSTERS) / "_centroids.npy", allow_pickle=False)
-        kept = [r["cluster_id"] for r in pq.read_table(run.part_path(layout.COHERENCE, 0)).to_pylist() if r["kept"]]
-        labels, tags, counts = np.asarray(clusters["cluster_id"]), clusters["tag_norm"], np.asarray(clusters["count"])
-        x = vectors.astype(np.float32)
+        coherence = pq.read_table(run.part_path(layout.COHERENCE, 0), columns=["cluster_id", "kept"]).to_pylist()
+        kept = [r["cluster_id"] for r in coherence if r["kept"]]
+        labels, counts = clusters.column("cluster_id").to_numpy(), clusters.column("count").to_numpy()
+        n_chunks = vocab.column("n_chunks").to_numpy()
         stats = Stats({"clusters_in": len(kept)})
 
         members_of = members_of_clusters(labels)
-        tops = {}
-        for cluster in kept:
-            members = members_of[cluster]
-            order = members[np.lexsort((np.array(tags, dtype=object)[members], -counts[members]))]
-            tops[cluster] = order[: self.config.library.label_tags]
-        examples = self._examples(run, {c: [tags[i] for i in top] for c, top in tops.items()})
+        tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
+        with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
+            tops = self._top_tags(con, run, kept)
+            chosen = self._examples(con, run, tops, np.array([n_chunks[top].sum() for top, _ in tops.values()]))
+        found = read_chunks(run, {chunk for chunks in chosen.values() for chunk in chunks})
+        examples = {cluster: [found[c]["chunk_text"] for c in chunks] for cluster, chunks in chosen.items()}
         rows, evidence = [], []
         for cluster in kept:
-            top = tops[cluster]
+            top, names = tops[cluster]
             others = centroids[np.arange(len(centroids)) != cluster]
-            name = offline_name([tags[i] for i in top], counts[top], x[top], others)
-            evidence_tags = [tags[i] for i in top[:EVIDENCE_KEPT]]
+            name = offline_name(names, counts[top], float_rows(vectors, top), others)
+            evidence_tags = names[:EVIDENCE_KEPT]
             texts = examples.get(cluster, [])
             description = offline_description(name, evidence_tags,
                                               example_sentence(texts[0], evidence_tags) if texts else None)
             rows.append({"cluster_id": cluster, "name": name, "description": description,
                          "evidence_tags": evidence_tags, "n_tags": len(members_of[cluster]),
                          "count": int(counts[members_of[cluster]].sum())})
-            evidence.append([(tags[i], int(counts[i])) for i in top])
+            evidence.append([(t, int(n)) for t, n in zip(names, counts[top])])
         if self.engine is not None:
             for row, answer in zip(rows, llm_labels(self.engine, evidence, [examples.get(c, []) for c in kept])):
                 if answer is None:
@@ -117,14 +121,41 @@ class LabelStage(Stage):
         atomic_write_parquet(run.part_path(self.output, 0), pa.Table.from_pylist(rows, schema=LABEL_SCHEMA))
         return stats
 
-    @staticmethod
-    def _examples(run: RunDir, top_tags: dict[int, list[str]]) -> dict[int, list[str]]:
-        """Per cluster, the texts of its EXAMPLES chunks that carry the most of its top tags (ties: chunk id)."""
-        vocab = pq.read_table(run.part_path(layout.TAG_VOCAB, 0), columns=["tag_norm", "chunk_ids"]).to_pydict()
-        chunks_of_tag = dict(zip(vocab["tag_norm"], vocab["chunk_ids"]))
-        chosen = {}
-        for cluster, names in top_tags.items():
-            hits = Counter(chunk for tag in names for chunk in chunks_of_tag.get(tag, ()))
-            chosen[cluster] = sorted(hits, key=lambda c: (-hits[c], c))[:EXAMPLES]
-        texts = read_chunks(run, {c for ids in chosen.values() for c in ids})
-        return {cluster: [texts[c]["chunk_text"] for c in ids] for cluster, ids in chosen.items()}
+    def _top_tags(self, con, run: RunDir, kept: list[int]) -> dict[int, tuple[np.ndarray, list[str]]]:
+        """Per kept cluster: its ``library.label_tags`` most frequent tags (ties: by name), as their rows of the
+        vocabulary and their names. DuckDB ranks them: the vocabulary's names are never all held here."""
+        con.register("kept", pa.table({"cluster_id": pa.array(kept, pa.int64())}))
+        rows, names = {}, {}
+        for cluster, row, name in con.execute(f"""
+                SELECT cluster_id, tag_row, tag_norm FROM (
+                    SELECT cluster_id, file_row_number AS tag_row, tag_norm,
+                           row_number() OVER (PARTITION BY cluster_id ORDER BY "count" DESC, tag_norm) AS r
+                    FROM read_parquet({sql_list([run.part_path(layout.CLUSTERS, 0)])}, file_row_number = true)
+                    WHERE cluster_id IN (SELECT cluster_id FROM kept))
+                WHERE r <= {int(self.config.library.label_tags)} ORDER BY cluster_id, r""").fetchall():
+            rows.setdefault(cluster, []).append(row)
+            names.setdefault(cluster, []).append(name)
+        return {cluster: (np.array(rows[cluster], dtype=np.int64), names[cluster]) for cluster in rows}
+
+    def _examples(self, con, run: RunDir, tops: dict, pairs: np.ndarray) -> dict[int, list[str]]:
+        """Per cluster of ``tops``: the ids of its EXAMPLES chunks that carry the most of its top tags (ties: chunk
+        id). DuckDB counts the hits of the clusters whose top tags have about PAIRS_PER_PASS (tag, chunk) pairs at a
+        time (``pairs``: per cluster)."""
+        clusters, chosen = list(tops), {}
+        # a chunk's hits: how many of its cluster's top tags it carries; only the top tags' chunk lists are unnested
+        query = f"""SELECT cluster_id, chunk_id FROM (
+                        SELECT t.cluster_id, v.chunk_id,
+                               row_number() OVER (PARTITION BY t.cluster_id ORDER BY count(*) DESC, v.chunk_id) AS r
+                        FROM top_tags t JOIN (SELECT tag_norm, unnest(chunk_ids) AS chunk_id
+                                              FROM read_parquet({sql_list([run.part_path(layout.TAG_VOCAB, 0)])})
+                                              WHERE tag_norm IN (SELECT tag_norm FROM top_tags)) v USING (tag_norm)
+                        GROUP BY t.cluster_id, v.chunk_id)
+                    WHERE r <= {EXAMPLES} ORDER BY cluster_id, r"""
+        for part in budget_slices(pairs, PAIRS_PER_PASS):
+            mine = [(cluster, tag) for cluster in clusters[part] for tag in tops[cluster][1]]
+            con.register("top_tags", pa.table({"cluster_id": pa.array([c for c, _ in mine], pa.int64()),
+                                               "tag_norm": pa.array([t for _, t in mine], pa.string())}))
+            for cluster, chunk in con.execute(query).fetchall():
+                chosen.setdefault(cluster, []).append(chunk)
+            con.unregister("top_tags")
+        return chosen

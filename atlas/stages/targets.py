@@ -21,18 +21,23 @@
 The joins run out of core (DuckDB over the tag and chunk parts and tag_to_concept, at most
 ``execution.memory_gb``, spilling to ``RUN/_tmp/targets/``). Memory holds a few bytes per tagged chunk (the
 random order and the picks), one concept's chunks at a time, and ``AUX_BLOCK`` reservoir chunks at a time
-(embedded, labeled, written); the offline similarities wait on disk until every chunk has been seen, as each
-label is standardized over the whole reservoir. Float32 BLAS may round a block's similarities in the last bit
-differently from a product of the whole matrix, so a reservoir larger than one block can, rarely, give another
-label where a z-score lies within rounding of a threshold; the result is the same on every rerun.
+(embedded, labeled, written): the reservoir's rows, texts included, go to ``RUN/_tmp/targets/`` in one pass and come
+back in chunk id order a block at a time (``ByPlace``), and the offline similarities wait on disk until every chunk
+has been seen, as each label is standardized over the whole reservoir. Float32 BLAS may round a block's
+similarities in the last bit differently from a product of the whole matrix, so a reservoir larger than one block
+can, rarely, give another label where a z-score lies within rounding of a threshold; the result is the same on
+every rerun.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from atlas.config import PROJECT_ROOT
 from atlas.core.extras import llm_extras
@@ -66,6 +71,8 @@ from atlas.models.embedder import Embedder, encode_cached
 TARGETS_VERSION = 1
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
 AUX_BLOCK = 32_768  # reservoir chunks embedded, labeled and written at a time (~50 MB of float32 embeddings)
+SPILL_ROWS = 8_192  # reservoir rows (with their texts: ~8 MB) taken from the join at a time
+SPILL_FILE_ROWS = AUX_BLOCK  # reservoir rows per spill file: reading one back holds a block's rows
 LONG_TAIL, FILL = 1, 2  # how a chunk entered the reservoir (0: it did not)
 PICKED = {LONG_TAIL: "long_tail", FILL: "fill"}
 
@@ -118,6 +125,68 @@ def build_reservoir(chunk_ids: list[str], concepts: dict[str, list[int]], size: 
     picked = reservoir_picks(len(chunk_ids), ((c, np.array(m, dtype=np.int64)) for c, m in rarest_first), size,
                              min_per_concept, seed)
     return {chunk_ids[i]: PICKED[int(picked[i])] for i in np.flatnonzero(picked)}
+
+
+def list_array(lists: list[list[int]], offset: int) -> pa.ListArray:
+    """Python lists of ints, each value plus ``offset``, as an Arrow list<int64> array."""
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    values = np.fromiter(chain.from_iterable(lists), np.int64, int(lengths.sum())) + offset
+    return pa.ListArray.from_arrays(pa.array(np.append(0, np.cumsum(lengths)), pa.int32()), pa.array(values))
+
+
+def sorted_union(arrays: Iterable[pa.ListArray]) -> pa.ListArray:
+    """Row by row, the values of all the list arrays (of equal length) together, sorted."""
+    arrays = list(arrays)
+    rows = np.concatenate([pc.list_parent_indices(x).to_numpy() for x in arrays])
+    values = np.concatenate([pc.list_flatten(x).to_numpy() for x in arrays]).astype(np.int64)
+    order = np.lexsort((values, rows))
+    lengths = np.bincount(rows, minlength=len(arrays[0]))
+    return pa.ListArray.from_arrays(pa.array(np.append(0, np.cumsum(lengths)), pa.int32()), pa.array(values[order]))
+
+
+class ByPlace:
+    """Rows that arrive in any order, each with its place in the output (``place``: 0 .. n-1), read back in place
+    order: one pass spreads them over Arrow files of ``rows`` consecutive places each, then ``read`` sorts one file
+    at a time. Memory holds one file's rows, where a sort of them all would hold every row (texts, here).
+
+    Use as a context manager for the writing; ``problem`` is the error when places are missing or repeated."""
+
+    MAX_FILES = 256  # open at once while writing (well within the usual limit of 1,024): more rows per file beyond
+
+    def __init__(self, folder: Path, n: int, rows: int, schema: pa.Schema, problem: str):
+        self.rows = rows * max(1, -(-n // (rows * self.MAX_FILES)))
+        self.n, self.schema, self.problem, self.written = n, schema, problem, 0
+        folder.mkdir(parents=True, exist_ok=True)
+        self.paths = [folder / f"{i:05d}.arrow" for i in range(-(-n // self.rows))]
+        self.writers: list = []
+
+    def __enter__(self) -> ByPlace:
+        self.writers = [pa.ipc.new_file(str(path), self.schema) for path in self.paths]
+        return self
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        file = batch.column("place").to_numpy() // self.rows
+        order = np.argsort(file, kind="stable")
+        batch, bounds = batch.take(pa.array(order)), np.searchsorted(file[order], np.arange(len(self.paths) + 1))
+        for i in np.flatnonzero(np.diff(bounds)):
+            self.writers[i].write_batch(batch.slice(bounds[i], bounds[i + 1] - bounds[i]))
+        self.written += batch.num_rows
+
+    def __exit__(self, kind, error, trace) -> None:
+        for writer in self.writers:
+            writer.close()
+
+    def read(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        """The ``columns`` of the rows in place order, a file at a time."""
+        for i, path in enumerate(self.paths):
+            with pa.memory_map(str(path)) as source:  # the columns not asked for are not read
+                table = pa.ipc.open_file(source).read_all()
+                place = table.column("place").to_numpy()
+                order = np.argsort(place)
+                start = i * self.rows
+                if not np.array_equal(place[order], np.arange(start, min(start + self.rows, self.n))):
+                    raise ArtifactError(self.problem)
+                yield from table.select(columns).take(pa.array(order)).to_batches()
 
 
 def heldout_split(doc_id: str, fraction: float, seed: int) -> str:
@@ -188,56 +257,70 @@ class TargetsStage(Stage):
                 SELECT c.concept, c.idx FROM content c JOIN (SELECT concept, count(*) AS size FROM content
                 GROUP BY concept) s USING (concept) ORDER BY s.size, c.concept"""), "concept", "idx")
             picked = reservoir_picks(n, members, a.reservoir_size, a.min_per_concept, a.seed)
-            chosen = np.flatnonzero(picked)
-            con.register("chosen", pa.table({"idx": chosen, "picked": picked[chosen]}))
-            con.execute("CREATE TABLE reservoir AS SELECT c.idx, c.picked, g.chunk_id, k.doc_id, k.domain "
-                        "FROM chosen c JOIN tagged g USING (idx) JOIN chunks k USING (chunk_id)")
-            con.unregister("chosen")
-            found, = con.execute("SELECT count(*) FROM reservoir").fetchone()
-            if found != len(chosen):
-                raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: {len(chosen) - found} tagged chunk(s) are not "
-                                    "in the chunk parts, or are there twice; recompute the chunk stage")
+            chosen = np.flatnonzero(picked)  # increasing: a chunk's place in the output is its rank here
+            con.register("chosen_rows", pa.table({"idx": chosen, "picked": picked[chosen],
+                                                  "place": np.arange(len(chosen))}))
+            con.execute("CREATE TABLE chosen AS SELECT * FROM chosen_rows")
+            con.unregister("chosen_rows")
             stats.inc("reservoir", len(chosen))
             stats.inc("reservoir_long_tail", int((picked == LONG_TAIL).sum()))
             del picked, chosen
             stats.inc("concepts_below_min_per_concept", con.execute(
-                "SELECT count(*) FROM (SELECT concept FROM content WHERE idx IN (SELECT idx FROM reservoir) "
+                "SELECT count(*) FROM (SELECT concept FROM content WHERE idx IN (SELECT idx FROM chosen) "
                 "GROUP BY concept HAVING count(*) < ?)", [a.min_per_concept]).fetchone()[0])
-            texts = record_batches(con.cursor(), "SELECT r.idx, r.chunk_id, k.chunk_text FROM reservoir r "
-                                                 "JOIN chunks k USING (chunk_id) ORDER BY r.idx")
+            reservoir = self._reservoir(run, con, tmp, stats["reservoir"])
+            con.execute("DROP TABLE tagged")
+            texts = reservoir.read(["chunk_id", "chunk_text"])
             aux = (self._aux_offline(run, tmp, domains, texts, stats) if self.config.llm.engine == "offline"
                    else self._aux_llm(run, domains, texts, stats))
-            self._write(run, con, domains, offsets, aux, stats)
+            self._write(run, con, domains, offsets, aux, reservoir, stats)
         return stats
 
-    def _write(self, run: RunDir, con, domains, offsets: dict, aux: Iterator, stats: Stats) -> None:
+    def _reservoir(self, run: RunDir, con, tmp, size: int) -> ByPlace:
+        """The reservoir's rows (with their texts) on disk, to be read in chunk id order: sorting every text in
+        memory would hold the whole reservoir's."""
+        problem = (f"{run.output_dir(layout.CHUNKS)}: {{}} tagged chunk(s) are not in the chunk parts, or are there "
+                   "twice; recompute the chunk stage")
+        rows = con.execute("SELECT c.place, c.idx, c.picked, g.chunk_id, k.doc_id, k.domain, k.chunk_text "
+                           "FROM chosen c JOIN tagged g USING (idx) JOIN chunks k USING (chunk_id)"
+                           ).to_arrow_reader(SPILL_ROWS)
+        with ByPlace(tmp / "reservoir", size, SPILL_FILE_ROWS, rows.schema, problem.format("some")) as reservoir:
+            for batch in rows:
+                reservoir.write(batch)
+        if reservoir.written != size:
+            raise ArtifactError(problem.format(size - reservoir.written))
+        return reservoir
+
+    def _write(self, run: RunDir, con, domains, offsets: dict, aux: Iterator, reservoir: ByPlace,
+               stats: Stats) -> None:
         """The reservoir's rows in chunk id order, a block at a time: ``aux`` gives each block's auxiliary labels."""
         a = self.config.annotator
-        rows_in = rows_of(record_batches(con, "SELECT idx, picked, chunk_id, doc_id, domain FROM reservoir "
-                                              "ORDER BY idx"), AUX_BLOCK)
-        content = SortedLists(record_batches(con.cursor(), "SELECT idx, concept FROM content WHERE idx IN "
-                                                           "(SELECT idx FROM reservoir) ORDER BY idx, concept"),
-                              "idx", "concept")
+        rows_in = rows_of(reservoir.read(["idx", "picked", "chunk_id", "doc_id", "domain"]), AUX_BLOCK)
+        content = SortedLists(record_batches(con, "SELECT idx, concept FROM content WHERE idx IN "
+                                                  "(SELECT idx FROM chosen) ORDER BY idx, concept"), "idx", "concept")
         schema = targets_schema([d.name for d in domains])
+        picked_names = pa.array([None, PICKED[LONG_TAIL], PICKED[FILL]], pa.string())  # by the picked code
         positives = dict.fromkeys(["content"] + [d.name for d in domains], 0)
         splits = {"train": 0, "heldout": 0}
         with PartWriter(run.part_path(self.output, 0), schema) as part:
             for (labels, status), block in zip(aux, rows_in):
-                content_ids = content.take(block.column("idx").to_numpy(), pa.int64()).to_pylist()
-                rows = []
-                for i, r in enumerate(block.select(["picked", "chunk_id", "doc_id", "domain"]).to_pylist()):
-                    row = {"chunk_id": r["chunk_id"], "doc_id": r["doc_id"], "domain": r["domain"],
-                           "split": heldout_split(r["doc_id"], a.heldout_fraction, a.seed),
-                           "picked": PICKED[r["picked"]], "content_global_ids": content_ids[i],
-                           "aux_status": status[i]}
-                    for d in domains:
-                        row[f"{d.name}_global_ids"] = [offsets[d.name] + j for j in labels[d.name][i]]
-                    row["concepts"] = sorted(c for key, ids in row.items() if key.endswith("_global_ids") for c in ids)
-                    rows.append(row)
-                    splits[row["split"]] += 1
-                    for domain in positives:
-                        positives[domain] += len(row[f"{domain}_global_ids"])
-                part.write(pa.Table.from_pylist(rows, schema=schema))
+                ids = {"content": content.take(block.column("idx").to_numpy(), pa.int64())}
+                ids |= {d.name: list_array(labels[d.name], offsets[d.name]) for d in domains}
+                # the split is a document's: decided once per document of the block
+                docs = pc.dictionary_encode(block.column("doc_id").combine_chunks(), null_encoding="encode")
+                split = pa.array([heldout_split(doc, a.heldout_fraction, a.seed)
+                                  for doc in docs.dictionary.to_pylist()], pa.string()).take(docs.indices)
+                columns = {"chunk_id": block.column("chunk_id"), "doc_id": block.column("doc_id"),
+                           "domain": block.column("domain"), "split": split,
+                           "picked": picked_names.take(block.column("picked")), "concepts": sorted_union(ids.values()),
+                           "content_global_ids": ids["content"]}
+                columns |= {f"{d.name}_global_ids": ids[d.name] for d in domains}
+                part.write(pa.table(columns | {"aux_status": pa.array(status, pa.string())}, schema=schema))
+                heldout = pc.sum(pc.equal(split, "heldout")).as_py() or 0
+                splits["heldout"] += heldout
+                splits["train"] += len(split) - heldout
+                for domain, lists in ids.items():
+                    positives[domain] += len(pc.list_flatten(lists))
         stats.inc("train", splits["train"])
         stats.inc("heldout", splits["heldout"])
         for domain, count in positives.items():

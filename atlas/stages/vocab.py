@@ -108,8 +108,9 @@ class VocabStage(Stage):
             # a deterministic order, most frequent first (strings compare by code point, as in Python)
             con.execute(f"""CREATE TABLE ranked AS
                 SELECT row_number() OVER (ORDER BY k."count" DESC, k.tag_norm) - 1 AS rank, k.*, v.variants
-                FROM kept k JOIN (SELECT tag_norm, min(tag, {MAX_VARIANTS}) AS variants
-                                  FROM (SELECT DISTINCT tag_norm, tag FROM topic) GROUP BY tag_norm) v
+                FROM kept k JOIN (SELECT tag_norm, min(tag, {MAX_VARIANTS}) AS variants  -- lists for kept tags only
+                                  FROM (SELECT DISTINCT tag_norm, tag FROM topic SEMI JOIN kept USING (tag_norm))
+                                  GROUP BY tag_norm) v
                 USING (tag_norm)""")
             pairs = SortedLists(record_batches(con.cursor(), """
                 SELECT r.rank, t.chunk_id FROM (SELECT DISTINCT tag_norm, chunk_id FROM topic) t
