@@ -535,6 +535,15 @@ def _interrupted(args) -> str:
     return f"interrupted: {what}"
 
 
+def _quiet_prefect_shutdown() -> None:
+    """After Ctrl-C, Prefect stops its temporary server at exit and cancels the server's database tasks midway;
+    SQLAlchemy's pool then logs each cancelled rollback as an ERROR with a traceback. Nothing is wrong by then
+    (the run's own files are written whole or not at all), so those records would only bury the one line."""
+    import logging
+
+    logging.getLogger("sqlalchemy").setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["atlas", *(sys.argv[1:] if argv is None else argv)])
@@ -554,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
         print(_interrupted(args), file=sys.stderr)
+        _quiet_prefect_shutdown()
         return 130
     except (ConfigError, UsageError, InputError, RunConflict, RunLocked, StageFailed, MissingExtra, FileNotFoundError,
             FileExistsError) as e:
