@@ -8,3 +8,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+_API = ("Run", "load_config", "run")  # atlas.api's main names, also reachable as atlas.run, atlas.Run, ...
+
+
+def __getattr__(name: str):
+    """Import atlas.api on first use of one of its names: ``import atlas`` itself stays instant."""
+    if name in _API:
+        from atlas import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'atlas' has no attribute {name!r}")

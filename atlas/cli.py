@@ -10,7 +10,8 @@
     atlas eval annotator RUN [--label-field L]  the same on the annotator's concepts, plus held-out chunk probes
     atlas annotate-text RUN "text" [...]      the concepts the trained annotator gives a text, with scores
     atlas search RUN "query" [-k 10]          the nearest training chunks, through the IVFPQ index
-    atlas export RUN OUT                      the release view: chunks, concepts, field guide, co-occurrence
+    atlas export RUN OUT [--push-to-hub DEST] the release view: chunks, concepts, field guide, co-occurrence
+    atlas export-tokens RUN OUT --format megatron   the token shards as Megatron-LM indexed datasets (.bin/.idx)
     atlas report RUN                          (re)write RUN/report/index.html, the self-contained run report
     atlas estimate CONFIG [--sample-docs 200]  throughput on a sample -> projected hours per stage
     atlas demo-corpus OUT                     build the offline demo corpus
@@ -20,7 +21,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import shlex
 import sys
@@ -44,18 +47,9 @@ EXAMPLES = """examples:
 def _load(args) -> AtlasConfig:  # noqa: F821
     from atlas.config import load_config
 
-    overrides = list(args.set or [])
-    if getattr(args, "input", None):
-        overrides.append(f"input.path={args.input}")
-    if getattr(args, "run_dir", None):
-        overrides.append(f"run_dir={args.run_dir}")
-    config = load_config(args.config, overrides)
     # Paths given on the command line are relative to where the command runs, not to the config.
-    if getattr(args, "input", None):
-        config.input.path = str(Path(args.input).resolve())
-    if getattr(args, "run_dir", None):
-        config.run_dir = str(Path(args.run_dir).resolve())
-    return config
+    return load_config(args.config, list(args.set or []), input=getattr(args, "input", None) or None,
+                       run_dir=getattr(args, "run_dir", None) or None)
 
 
 def cmd_run(args) -> int:
@@ -290,10 +284,29 @@ def cmd_search(args) -> int:
 
 def cmd_export(args) -> int:
     from atlas.tools.export import export_release
+    from atlas.tools.publish import PublishError, check_destination, publish
 
-    summary = export_release(args.run_dir, args.out)
-    print(json.dumps(summary, indent=2))
-    print(f"release view written to {args.out} (see {Path(args.out) / 'README.md'})")
+    try:
+        if args.push_to_hub:  # a missing token or a foreign folder stops here, before the export's work
+            check_destination(args.push_to_hub, args.out)
+        summary = export_release(args.run_dir, args.out)
+        print(json.dumps(summary, indent=2))
+        print(f"release view written to {args.out} (see {Path(args.out) / 'README.md'})")
+        if args.push_to_hub:
+            print(f"published to {publish(args.out, args.push_to_hub, private=args.private)}")
+    except PublishError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_export_tokens(args) -> int:
+    from atlas.tools.export_tokens import export_tokens
+
+    summary = export_tokens(args.run_dir, args.out, args.format)
+    print(f"{summary['shards']} {args.format} shard(s): {summary['sequences']:,} sequences (chunks), "
+          f"{summary['documents']:,} documents, {summary['tokens']:,} tokens written to {args.out} "
+          f"(see {Path(args.out) / 'README.md'})")
     return 0
 
 
@@ -489,7 +502,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the release view: chunks, concepts, field guide, co-occurrence")
     p.add_argument("run_dir")
     p.add_argument("out", help="output folder")
+    p.add_argument("--push-to-hub", metavar="DEST",
+                   help="then publish OUT: ORG/NAME is a Hugging Face dataset repository (created if missing; needs "
+                        "a write token in HF_TOKEN or from `hf auth login`); a path or file:// URL is a local folder "
+                        "that gets the same files (an air-gapped mirror). Either loads with "
+                        "datasets.load_dataset(DEST)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub ORG/NAME: create the repository private")
     p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("export-tokens", help="write the token shards for another trainer: Megatron-LM .bin/.idx",
+                       description="Write each token shard i as OUT/part-NNNNN.bin + .idx, a Megatron-LM / NeMo "
+                       "indexed dataset (one sequence per chunk, documents marked), with its chunks' concepts in "
+                       "OUT/part-NNNNN.concepts.parquet and the --data-path line in OUT/README.md. The tokenize "
+                       "stage must have finished. Rerunning replaces an earlier export in OUT.",
+                       epilog="example: atlas export-tokens runs/demo runs/demo-megatron --format megatron")
+    p.add_argument("run_dir")
+    p.add_argument("out", help="output folder (empty, new, or an earlier export-tokens output)")
+    p.add_argument("--format", choices=["megatron"], default="megatron",
+                   help="megatron: MMIDIDX .bin/.idx, as Megatron-LM's tools/preprocess_data.py writes (default)")
+    p.set_defaults(fn=cmd_export_tokens)
 
     p = sub.add_parser("estimate", help="measure throughput on a sample and project the hours of each map stage")
     p.add_argument("config", help="run configuration (YAML)")
@@ -535,12 +566,41 @@ def _interrupted(args) -> str:
     return f"interrupted: {what}"
 
 
+class _TerminalHandler(logging.Handler):
+    """The library's log records as the command's own lines: the message alone, information on standard output and
+    warnings on standard error, as the commands printed them. The streams are looked up at each record (pytest's
+    capture replaces them) and written to directly (a Prefect flow turns ``print`` into log records of its own)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()  # `atlas estimate | tee` shows each measurement as it ends
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed write never stops the program
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _log_to_terminal():
+    """For one command: the "atlas" loggers print through ``_TerminalHandler``, from INFO up. Not propagated: a
+    handler that Prefect or Ray puts on the root logger would print each record a second time."""
+    logger = logging.getLogger("atlas")
+    handler, level, propagate = _TerminalHandler(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:  # main() in a notebook or a test leaves the logger as it found it
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def _quiet_prefect_shutdown() -> None:
     """After Ctrl-C, Prefect stops its temporary server at exit and cancels the server's database tasks midway;
     SQLAlchemy's pool then logs each cancelled rollback as an ERROR with a traceback. Nothing is wrong by then
     (the run's own files are written whole or not at all), so those records would only bury the one line."""
-    import logging
-
     logging.getLogger("sqlalchemy").setLevel(logging.CRITICAL)
 
 
@@ -560,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     from atlas.runner import RunConflict, StageFailed
 
     try:
-        return args.fn(args)
+        with _log_to_terminal():
+            return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
         print(_interrupted(args), file=sys.stderr)
         _quiet_prefect_shutdown()

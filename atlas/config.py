@@ -8,6 +8,7 @@ dotted paths: ``--set chunk.domains.web.max_tokens=200``.
 from __future__ import annotations
 
 import difflib
+import json
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -351,8 +352,10 @@ def apply_override(data: dict, assignment: str) -> None:
                           f"({getattr(e, 'problem', None) or e}); quote it to pass a string") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> AtlasConfig:
-    """Read a YAML config, apply ``--set`` overrides, validate, and resolve relative paths."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, input: str | Path | None = None,
+                run_dir: str | Path | None = None) -> AtlasConfig:
+    """Read a YAML config, apply ``--set`` overrides, validate, and resolve relative paths. ``input`` and ``run_dir``
+    (``--input``, ``--run-dir``) replace input.path and run_dir, relative to the working directory, not the file."""
     data: dict[str, Any] = {}
     base = Path.cwd()
     source = "defaults"
@@ -371,6 +374,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> At
     declared = _declared_domains(data)  # before the overrides: a --set may change a domain, not add one
     for assignment in overrides:
         apply_override(data, assignment)
+    if input is not None:  # JSON strings are YAML: the path is taken as it is, never parsed as a number or a list
+        where = str(input) if "://" in str(input) else str(Path(input).resolve())
+        apply_override(data, f"input.path={json.dumps(where)}")
+    if run_dir is not None:
+        apply_override(data, f"run_dir={json.dumps(str(Path(run_dir).resolve()))}")
     try:
         config = AtlasConfig.model_validate(data)
     except ValidationError as e:

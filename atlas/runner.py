@@ -10,7 +10,8 @@ pipeline order:
 2. skip it if its ``_SUCCESS`` marker carries the same hash ("nothing to do");
 3. plan its shards and run the ones whose marker is missing, through ``map_shards`` (a plain loop,
    or Prefect tasks);
-4. merge the shard counters into ``_stats.json``, write ``_SUCCESS`` and update the manifest.
+4. merge the shard counters into ``_stats.json``, write the dataset card (``atlas.io.cards``), write ``_SUCCESS``
+   and update the manifest.
 
 A killed run resumes at step 3 with the unfinished shards; finished shards are never redone.
 """
@@ -18,6 +19,7 @@ A killed run resumes at step 3 with the unfinished shards; finished shards are n
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -32,7 +34,11 @@ from atlas.core.lock import run_lock
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
+from atlas.io.cards import CARD_FILE, write_dataset_card
 from atlas.stages import LIBRARY_STAGES, STAGES
+
+# A line per stage (skipped, planned, started, done): the CLI prints them, a notebook sees them with logging at INFO.
+logger = logging.getLogger("atlas.runner")
 
 
 class RunConflict(RuntimeError):
@@ -193,7 +199,7 @@ def run_stages(
     force: bool = False,
     map_shards: MapShards = map_inline,
     plan_only: bool = False,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = logger.info,
     on_stage: Callable[[RunDir, str], None] = lambda run, name: None,
     checked: list[Checked] | None = None,
 ) -> list[StageReport]:
@@ -242,6 +248,8 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
                             counters=read_json(run.stats_path(stage.output)).get("counters", {}),
                             failed_shards=[], errors={})
                 run.update_stage(name, **info)
+            if not (run.output_dir(stage.output) / CARD_FILE).exists():  # finished by an Atlas without cards
+                write_dataset_card(run.output_dir(stage.output), name)
             report.skipped = True
             report.counters, report.num_shards = info.get("counters", {}), info.get("num_shards", 0)
             log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
@@ -292,6 +300,7 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
             seconds += marker["seconds"]
         stage.finalize(run, stats)
         atomic_write_json(run.stats_path(stage.output), {"stage": name, "counters": stats.to_dict()})
+        write_dataset_card(run.output_dir(stage.output), name)  # so that datasets.load_dataset reads the folder
         run.mark_stage_done(stage.output, stage_hash)
         report.counters, report.seconds = stats.to_dict(), seconds
         run.update_stage(name, status="done", counters=report.counters, shard_seconds=round(seconds, 3),

@@ -157,7 +157,10 @@ def publish_status(run: RunDir, stage_name: str) -> None:
 
 @flow(name="atlas-pipeline", log_prints=True)
 def atlas_pipeline(config: dict, stages: list[str] | None = None, force: bool = False) -> list[dict]:
-    reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect, on_stage=publish_status)
+    # print: log_prints makes each stage line a Prefect log record, which a deployment's worker shows too (the
+    # "atlas" logger has no handler there)
+    reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect, on_stage=publish_status,
+                         log=print)
     return [r.__dict__ for r in reports]
 
 

@@ -17,6 +17,7 @@ from atlas.config import AtlasConfig
 from atlas.core.files import atomic_write_json
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.cards import CONFIGS_FILE
 from atlas.io.embedding_store import create_store, finish, write_rows
 from atlas.runner import run_stages
 
@@ -85,8 +86,8 @@ def built(tmp_path_factory):
 def test_one_shard_per_annotate_shard_and_the_outputs(built):
     config, vectors, run, report, files = built
     assert report.num_shards == len(SHARD_ROWS) and report.ran == list(range(len(SHARD_ROWS)))
-    assert sorted(files) == ["_SUCCESS", "_index.json", "_plan.json", "index.faiss", "part-00000.parquet",
-                             "trained.faiss"]  # no parts, build folder or temporary file left
+    assert sorted(files) == [CONFIGS_FILE, "_README.md", "_SUCCESS", "_index.json", "_plan.json", "index.faiss",
+                             "part-00000.parquet", "trained.faiss"]  # no parts, build folder or temporary file left
     counters = json.loads(run.stats_path(layout.INDEX).read_text())["counters"]
     assert counters["vectors"] == N and counters["nlist"] == 128  # nlist_for(8000)
     assert [run.shard_marker(layout.INDEX, s)["counters"]["vectors"] for s in range(5)] == SHARD_ROWS
@@ -149,7 +150,8 @@ def test_a_killed_run_resumes_to_the_same_bytes(built, tmp_path, killed):
     report = run_stages(config, ["index"], log=lambda m: None)[0]
     assert not report.skipped
     assert index_files(copy) == files
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith((".", "_parts"))) == []
+    left = [p.name for p in folder.iterdir() if p.name.startswith((".", "_parts")) and p.name != CONFIGS_FILE]
+    assert left == []  # no temporary or part left (the card's configs file is no temporary)
 
 
 def test_shards_need_a_plan_made_after_annotate(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from html.parser import HTMLParser
 
@@ -117,9 +118,10 @@ def test_a_run_stopped_after_chunk_still_reports(tmp_path, demo_records, capsys)
     assert write_html_report(tmp_path / "run") == path and path.read_text() == page  # the same run, the same page
 
 
-def test_no_run_directory(tmp_path, capsys):
+def test_no_run_directory(tmp_path, capsys, caplog):
     with pytest.raises(FileNotFoundError, match="not an Atlas run directory"):
         write_html_report(tmp_path)
     assert main(["report", str(tmp_path)]) == 1
-    refresh_report(tmp_path)  # after a run or a training: a warning, never an exception
-    assert "warning: could not write the run report" in capsys.readouterr().err
+    with caplog.at_level(logging.WARNING, logger="atlas.tools.report"):
+        refresh_report(tmp_path)  # after a run or a training: a warning (logged), never an exception
+    assert "warning: could not write the run report" in caplog.text

@@ -196,14 +196,24 @@ def synthetic_run(tmp_path, parts: list[pa.Table], **sections) -> tuple[RunDir, 
     return run, config
 
 
-@pytest.mark.parametrize("vocab", [{"min_count": 1}, {"min_count": 2, "max_chunk_share": 0.01, "batch_size": 100}])
-def test_vocab_stage_writes_what_the_in_memory_grouping_wrote(tmp_path, vocab):
+@pytest.mark.parametrize("vocab,pairs_per_pass", [
+    ({"min_count": 1}, None),
+    ({"min_count": 2, "max_chunk_share": 0.01, "batch_size": 100}, 5_000),  # the (tag, chunk) pairs in ~60 ranges
+])
+def test_vocab_stage_writes_what_the_in_memory_grouping_wrote(tmp_path, monkeypatch, vocab, pairs_per_pass):
     pytest.importorskip("lemminflect")
+    import atlas.stages.vocab as vocab_stage
     from atlas.models.embedder import encode_cached
     from atlas.stages.vocab import VocabStage
 
+    if pairs_per_pass:
+        monkeypatch.setattr(vocab_stage, "PAIRS_PER_PASS", pairs_per_pass)
     tags = synthetic_tags(400_000, 40_000)
-    parts = [tags.slice(i, 100_000) for i in range(0, tags.num_rows, 100_000)]
+    # as the tag stage writes them: a chunk's tags in its shard's part (vocab groups each part on its own)
+    tags = tags.take(pa.compute.sort_indices(tags, [("chunk_id", "ascending")]))
+    chunk_ids = tags.column("chunk_id").to_numpy(zero_copy_only=False)
+    cuts = [int(np.searchsorted(chunk_ids, chunk_ids[i])) for i in range(0, tags.num_rows, 100_000)]
+    parts = [tags.slice(a, b - a) for a, b in zip(cuts, cuts[1:] + [tags.num_rows])]
     run, config = synthetic_run(tmp_path, parts, vocab=vocab, execution={"memory_gb": 0.25})
     stage = VocabStage(config)
     stage.embedder = HashEmbedder()
@@ -261,7 +271,7 @@ def test_lifted_words_are_those_of_the_in_memory_matrix(tmp_path):
                                         "idx": np.concatenate(members)}))
         con.execute("CREATE TABLE covered AS SELECT * FROM pairs")
         stream = pa.table({"idx": np.arange(len(texts)), "chunk_text": texts}).to_batches(max_chunksize=700)
-        lifted = lifted_words(con, stream, min_support=3)
+        lifted = lifted_words(con, stream, min_support=3, spill=tmp_path / "tmp")
     assert [lifted.get(i, []) for i in range(len(members))] == expected
     assert sum(map(len, expected)) > 100
 
@@ -269,7 +279,7 @@ def test_lifted_words_are_those_of_the_in_memory_matrix(tmp_path):
 # --- export against its in-memory reverse index ------------------------------------------------------------------
 
 
-def test_export_field_guide_is_the_in_memory_grouping(tmp_path):
+def test_export_field_guide_is_the_in_memory_grouping(tmp_path, monkeypatch):
     from atlas.tools.export import FIELD_GUIDE_SCHEMA, export_release
 
     n_concepts, rng = 5_000, np.random.default_rng(6)
@@ -308,3 +318,17 @@ def test_export_field_guide_is_the_in_memory_grouping(tmp_path):
     counts = Counter({c: len(chunks) for c, chunks in pairs.items()})
     assert summary["chunks"] == 12_000 and summary["concepts_used"] == len(counts)
     assert not (tmp_path / "out" / ".tmp").exists()
+
+    # small ranges and rows: the top concepts span several ranges' worth of pairs and are cut over several rows
+    import atlas.tools.export as export
+
+    monkeypatch.setattr(export, "PAIRS_PER_PASS", 1_000)
+    monkeypatch.setattr(export, "FIELD_GUIDE_IDS_PER_ROW", 700)
+    export_release(run.root, tmp_path / "small")
+    guide = pq.read_table(tmp_path / "small" / "field_guide").to_pydict()
+    joined = defaultdict(list)
+    for concept, chunks in zip(guide["concept_id"], guide["chunk_ids"]):
+        joined[concept].extend(chunks)
+    assert guide["concept_id"] == sorted(guide["concept_id"]) and max(map(len, guide["chunk_ids"])) == 700
+    assert [joined[c] for c in range(n_concepts)] == [pairs.get(c, []) for c in range(n_concepts)]
+    assert counts.most_common(1)[0][1] > 3 * 700  # the top concept's ids are cut over 4 rows or more

@@ -113,10 +113,15 @@ def test_a_stage_imports_no_other_stage_and_no_command():
 
 
 def test_commands_are_imported_only_by_the_cli_and_other_commands():
-    importers = {"atlas.cli", "atlas.cblm.cli"}
+    importers = {"atlas.cli", "atlas.cblm.cli", "atlas.api"}  # the Python API sits beside the CLI
     wrong = sorted(f"{name} -> {target}" for name, targets in GRAPH.items() for target in targets
                    if layer(target) == "tools" and name not in importers and layer(name) != "tools")
     assert not wrong
+
+
+def test_nothing_in_the_library_imports_the_python_api():
+    """atlas.api is a facade for users; the package root only re-exports its names lazily (``atlas.run``)."""
+    assert sorted(name for name, targets in GRAPH.items() if "atlas.api" in targets) == ["atlas"]
 
 
 def test_the_trainer_reads_token_shards_through_io_only():

@@ -23,6 +23,7 @@ Dropout, diffusion masks and teacher-forcing draws are seeded from (seed, step),
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -39,6 +40,8 @@ from atlas.cblm.losses import compute
 from atlas.cblm.metrics import evaluate
 from atlas.cblm.model import CBLM, ModelConfig
 from atlas.models.tokenizer import MASK
+
+logger = logging.getLogger("atlas.cblm.train")  # steps, losses, resumes: `atlas cblm train` prints them
 
 
 @dataclass
@@ -172,7 +175,7 @@ def trained_metrics(config: TrainConfig) -> dict | None:
     return json.loads((out / "metrics.json").read_text())
 
 
-def train(config: TrainConfig, log=print, stop_after: int | None = None, force: bool = False) -> dict:
+def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, force: bool = False) -> dict:
     """Train (or resume) and return the final validation metrics. A model already trained with this config is
     left alone (its metrics.json is returned, nothing is evaluated again); ``force`` deletes RUN/cblm/<name> first
     and trains from scratch. ``stop_after``: return after that many steps of this call, as if killed right after a

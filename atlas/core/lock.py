@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shlex
 import socket
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_NAME = "_lock"
+log = logging.getLogger("atlas.core.lock")
 
 # Locks this process holds: path -> pid. `atlas run` holds the lock while run_stages, inside it, takes it again;
 # the pid keeps a forked worker from thinking it holds its parent's lock.
@@ -101,8 +103,8 @@ def _acquire(root: Path, path: Path, command: str) -> dict:
                     continue
                 if not _is_stale(holder):
                     raise RunLocked(_locked_message(root, holder)) from None
-                print(f"note: {path} was left by pid {holder['pid']} on this host, which is no longer running "
-                      f"(killed?); taking it over", file=sys.stderr)
+                log.warning("note: %s was left by pid %s on this host, which is no longer running (killed?); "
+                            "taking it over", path, holder["pid"])
                 _break_stale(path, holder)
         raise RunLocked(_locked_message(root, _read(path) or {}))
     finally:

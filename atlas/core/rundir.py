@@ -6,6 +6,8 @@
     RUN/<output>/_SUCCESS              the whole stage is done (written last, holds the stage hash)
     RUN/<output>/_stats.json           merged counters of all shards
     RUN/<output>/_rejects/             what was dropped or quarantined, with the reason
+    RUN/<output>/_README.md            the dataset card, and .huggingface.yaml its configs for datasets.load_dataset
+                                       (atlas.io.cards; written by the runner just before _SUCCESS)
 
 Everything that is not a data part starts with "_", so ``pandas.read_parquet("RUN/chunks")`` and
 ``pyarrow.dataset`` read a stage folder as one table (they skip "_" and "." names).

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.cards import CARD_FILE, CONFIGS_FILE
 from atlas.io.tags import read_tags
 
 CONCEPT_SCHEMA = pa.schema(
@@ -77,7 +78,8 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
 
 # --- a library and annotator built by another run (annotate.annotator_from) ---------------------------------------
 
-BOOKKEEPING = ("_shards", "_SUCCESS", "_stats.json", "_source.json")  # a stage's records, not its results
+# A stage's records, not its results (the dataset card is made from the results: not a result itself).
+BOOKKEEPING = ("_shards", "_SUCCESS", "_stats.json", "_source.json", CARD_FILE, CONFIGS_FILE)
 
 
 def annotator_source(path: str | Path) -> tuple[Path, Path]:

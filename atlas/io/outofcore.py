@@ -33,10 +33,15 @@ LIST_BUDGET = 100_000  # list values read from DuckDB at a time
 PAIRS_PER_PASS = 500_000  # (tag, chunk) pairs a query unnests at a time: its memory does not grow with the corpus
 
 
+def sql_string(value: str | Path) -> str:
+    """A string (a file name) as a SQL literal, where DuckDB takes no prepared parameter (views, COPY)."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
 def sql_list(values: Iterable[str | Path]) -> str:
     """Strings (file names for ``read_parquet``, field names) as a SQL list literal, for a view: views take no
     prepared parameters."""
-    return "[" + ", ".join("'" + str(v).replace("'", "''") + "'" for v in values) + "]::VARCHAR[]"
+    return "[" + ", ".join(sql_string(v) for v in values) + "]::VARCHAR[]"
 
 
 def checked_parts(run: RunDir, output: str, required) -> list[Path]:

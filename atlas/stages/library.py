@@ -28,6 +28,8 @@ to ``RUN/_tmp/library/``): memory holds the concepts and a batch of chunk texts,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -46,6 +48,7 @@ from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
 LIBRARY_VERSION = 2
+CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
 
@@ -57,24 +60,27 @@ def word_analyzer():
     return CountVectorizer(stop_words="english", token_pattern=r"(?u)\b[a-zA-Z][a-zA-Z]{2,}\b").build_analyzer()
 
 
-def lifted_words(con, chunk_texts, min_support: int, top: int = LIFTED_KEPT) -> dict[int, list[str]]:
+def lifted_words(con, chunk_texts, min_support: int, spill: Path, top: int = LIFTED_KEPT) -> dict[int, list[str]]:
     """For each concept, the words with the highest lift P(w|c) / P(w) (at most ``top``, each with lift > 1).
 
     ``con`` holds ``covered`` (concept, idx: the chunks each concept covers) and ``chunk_texts`` streams
     (idx, chunk_text) batches of every chunk whose words count. Ties: more of the concept's chunks, then the word.
-    Lift is computed per (concept, word) from integer counts, in float64, as numpy would."""
+    Lift is computed per (concept, word) from integer counts, in float64, as numpy would. Each chunk's words go to
+    ``spill/chunk_words.parquet`` as they are found (inserted into a DuckDB table, they kept the process's memory
+    growing with the corpus: 1M chunks, +170 MiB)."""
     analyze = word_analyzer()
-    con.execute("CREATE TABLE chunk_words (idx BIGINT, word VARCHAR)")
     n = 0
-    for batch in chunk_texts:
-        words = [sorted(set(analyze(text))) for text in batch.column("chunk_text").to_pylist()]
-        idx = np.repeat(batch.column("idx").to_numpy(), [len(w) for w in words])
-        con.register("batch_words", pa.table({"idx": idx, "word": [w for ws in words for w in ws]}))
-        con.execute("INSERT INTO chunk_words SELECT idx, word FROM batch_words")
-        con.unregister("batch_words")
-        n += batch.num_rows
+    words_file = spill / "chunk_words.parquet"
+    with pq.ParquetWriter(words_file, CHUNK_WORDS_SCHEMA) as writer:
+        for batch in chunk_texts:
+            words = [sorted(set(analyze(text))) for text in batch.column("chunk_text").to_pylist()]
+            idx = np.repeat(batch.column("idx").to_numpy(), [len(w) for w in words])
+            writer.write_table(pa.table([idx, pa.array([w for ws in words for w in ws], pa.string())],
+                                        schema=CHUNK_WORDS_SCHEMA))
+            n += batch.num_rows
     if n == 0:
         return {}
+    con.execute(f"CREATE VIEW chunk_words AS SELECT * FROM read_parquet({sql_list([words_file])})")
     rows = con.execute("""
         WITH sizes AS (SELECT concept, count(*) AS size FROM covered GROUP BY concept),
              df AS (SELECT word, count(*) AS df FROM chunk_words GROUP BY word),
@@ -198,7 +204,7 @@ class LibraryStage(Stage):
                                     "chunk stage")
             texts = record_batches(con.cursor(), "SELECT e.idx, k.chunk_text FROM every_chunk e JOIN chunks k "
                                                  "USING (chunk_id)", rows=8192)
-            lifted = lifted_words(con, texts, self.config.library.lift_min_support)
+            lifted = lifted_words(con, texts, self.config.library.lift_min_support, tmp)
         return chunk_count, lifted, n_chunks
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:

@@ -14,8 +14,11 @@ and single words outside the English lexicon seen in one chunk only (typos, code
 strings) are left out and counted.
 
 The grouping runs out of core (DuckDB over the tag parts, at most ``execution.memory_gb``, spilling to
-``RUN/_tmp/vocab/``): the vocabulary is streamed to the part and to ``_embeddings.npy`` in its final order,
-so memory holds a few thousand tags and their chunk ids at a time, never every tag row.
+``RUN/_tmp/vocab/``), in steps whose memory does not grow with the corpus: each tag part is grouped on its own
+(a chunk's tags are all in its shard's part, so its distinct chunks add up over parts); the (tag, chunk) pairs
+are split into ranges of about ``PAIRS_PER_PASS`` by rank and each range is sorted on its own; and the
+vocabulary is streamed to the part and to ``_embeddings.npy`` in its final order, a few thousand tags and their
+chunk ids at a time. What grows is the table of distinct tags (Heaps' law: about N^0.75 for N tag rows).
 
 Embeddings are cached in ``RUN/_cache/embeddings/`` (FP16, keyed by model and tag), so a rerun, or a
 vocabulary that gained tags, only embeds what is new. The vocabulary is embedded in fixed batches of its
@@ -25,7 +28,9 @@ bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +40,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.outofcore import (
+    PAIRS_PER_PASS,
     NpyWriter,
     PartWriter,
     SortedLists,
@@ -43,6 +49,7 @@ from atlas.io.outofcore import (
     record_batches,
     scratch,
     sql_list,
+    sql_string,
 )
 from atlas.io.tags import VOCAB_SCHEMA, tag_parts
 from atlas.llm.answers import field_roles, load_schemas
@@ -78,14 +85,11 @@ class VocabStage(Stage):
         with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
             con.execute(f"CREATE VIEW tags AS SELECT chunk_id, field, tag, tag_norm "
                         f"FROM read_parquet({sql_list(parts)})")
-            tags_in, tagged_chunks = con.execute("SELECT count(*), count(DISTINCT chunk_id) FROM tags").fetchone()
-            stats = Stats({"tags_in": tags_in})
             fields = [f for (f,) in con.execute("SELECT DISTINCT field FROM tags").fetchall()
                       if roles.get(f, "topic") in v.roles]
             con.execute(f"CREATE VIEW topic AS SELECT * FROM tags WHERE list_contains({sql_list(fields)}, field)")
-            con.execute("""CREATE TABLE per_tag AS SELECT tag_norm, count(chunk_id) AS count,
-                           count(DISTINCT chunk_id) AS n_chunks, list_sort(list(DISTINCT field)) AS fields
-                           FROM topic GROUP BY tag_norm""")
+            tags_in, tagged_chunks = _count_per_tag(con, parts, fields)
+            stats = Stats({"tags_in": tags_in})
             topic_rows, unique = con.execute('SELECT coalesce(sum("count"), 0), count(*) FROM per_tag').fetchone()
             stats.drop("style_field_tags", tags_in - topic_rows)
             stats.inc("unique_tags", unique)
@@ -105,16 +109,16 @@ class VocabStage(Stage):
             n_kept = con.execute("SELECT count(*) FROM kept").fetchone()[0]
             stats.drop("rare_unknown_words", specific - n_kept)
             stats.inc("tags_out", n_kept)
+            # the spellings of kept tags, then their lists: one query doing both ran out of memory at 256 MiB
+            con.execute("CREATE TABLE spellings AS SELECT DISTINCT tag_norm, tag FROM topic "
+                        "SEMI JOIN kept USING (tag_norm)")
+            con.execute(f"CREATE TABLE variants AS SELECT tag_norm, min(tag, {MAX_VARIANTS}) AS variants "
+                        f"FROM spellings GROUP BY tag_norm")
             # a deterministic order, most frequent first (strings compare by code point, as in Python)
-            con.execute(f"""CREATE TABLE ranked AS
+            con.execute("""CREATE TABLE ranked AS
                 SELECT row_number() OVER (ORDER BY k."count" DESC, k.tag_norm) - 1 AS rank, k.*, v.variants
-                FROM kept k JOIN (SELECT tag_norm, min(tag, {MAX_VARIANTS}) AS variants  -- lists for kept tags only
-                                  FROM (SELECT DISTINCT tag_norm, tag FROM topic SEMI JOIN kept USING (tag_norm))
-                                  GROUP BY tag_norm) v
-                USING (tag_norm)""")
-            pairs = SortedLists(record_batches(con.cursor(), """
-                SELECT r.rank, t.chunk_id FROM (SELECT DISTINCT tag_norm, chunk_id FROM topic) t
-                JOIN ranked r USING (tag_norm) ORDER BY r.rank, t.chunk_id"""), "rank", "chunk_id")
+                FROM kept k JOIN variants v USING (tag_norm)""")
+            pairs = SortedLists(_sorted_pairs(con, tmp), "rank", "chunk_id")
             rows = record_batches(con, 'SELECT rank, tag_norm, "count", n_chunks, fields, variants FROM ranked '
                                        "ORDER BY rank")
             self._write(run, rows, pairs, n_kept, stats)
@@ -133,6 +137,48 @@ class VocabStage(Stage):
                                         names=VOCAB_SCHEMA.names))
                 embeddings.add(rows_batch.column("tag_norm").to_pylist())
             embeddings.add([], last=True)
+
+
+def _count_per_tag(con, parts: list[Path], fields: list[str]) -> tuple[int, int]:
+    """Create ``per_tag`` (tag_norm, count, n_chunks, fields) from the topic fields' tags; return the number of tag
+    rows and of tagged chunks. A chunk's tags are all in its shard's part, so each part is grouped on its own (memory
+    holds one part's distinct chunks, not the corpus's) and the parts' rows are then added up."""
+    con.execute("CREATE TABLE per_part (tag_norm VARCHAR, count BIGINT, n_chunks BIGINT, fields VARCHAR[])")
+    tags_in = tagged_chunks = 0
+    for part in parts:
+        con.execute(f"CREATE OR REPLACE VIEW part_tags AS SELECT chunk_id, field, tag_norm "
+                    f"FROM read_parquet({sql_list([part])})")
+        rows, chunks = con.execute("SELECT count(*), count(DISTINCT chunk_id) FROM part_tags").fetchone()
+        tags_in, tagged_chunks = tags_in + rows, tagged_chunks + chunks
+        con.execute(f"""INSERT INTO per_part SELECT tag_norm, count(chunk_id), count(DISTINCT chunk_id),
+                        list(DISTINCT field) FROM part_tags WHERE list_contains({sql_list(fields)}, field)
+                        GROUP BY tag_norm""")
+    con.execute("""CREATE TABLE per_tag AS SELECT tag_norm, sum("count")::BIGINT AS count,
+                   sum(n_chunks)::BIGINT AS n_chunks, list_sort(list_distinct(flatten(list(fields)))) AS fields
+                   FROM per_part GROUP BY tag_norm""")
+    con.execute("DROP TABLE per_part")
+    return tags_in, tagged_chunks
+
+
+def _sorted_pairs(con, tmp: Path) -> Iterator[pa.RecordBatch]:
+    """(rank, chunk_id) of every kept tag and chunk it came from, by rank then chunk id. One sort of them all would
+    hold a share of the corpus in memory: one pass instead splits them into ranges of ranks with about
+    PAIRS_PER_PASS pairs (a partitioned COPY to Parquet, done here), and each range is sorted on its own as the
+    stream is read (on a cursor of its own: the vocabulary rows stream on ``con``)."""
+    con.execute(f"""CREATE TABLE rank_range AS SELECT tag_norm, rank,
+                    (sum(n_chunks) OVER (ORDER BY rank) - n_chunks) // {PAIRS_PER_PASS} AS range FROM ranked""")
+    n_ranges, = con.execute("SELECT coalesce(max(range) + 1, 0) FROM rank_range").fetchone()
+    folder = tmp / "pairs"
+    con.execute(f"""COPY (SELECT r.range, r.rank, t.chunk_id FROM topic t JOIN rank_range r USING (tag_norm))
+                    TO {sql_string(folder)} (FORMAT parquet, PARTITION_BY (range))""")
+    cursor = con.cursor()
+
+    def ranges() -> Iterator[pa.RecordBatch]:
+        for i in range(n_ranges):
+            yield from record_batches(cursor, f"""SELECT DISTINCT rank, chunk_id FROM read_parquet(
+                {sql_string(folder / f"range={i}" / "*.parquet")}) ORDER BY rank, chunk_id""")
+
+    return ranges()
 
 
 class _Embeddings:

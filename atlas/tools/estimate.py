@@ -16,6 +16,7 @@ The two paths of the pipeline are projected apart: the **library path** tags onl
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from atlas.config import AtlasConfig
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.inputs import Document, plan_shards, read_shard
+
+logger = logging.getLogger("atlas.tools.estimate")  # what it measures, as it goes (`atlas estimate` prints it)
 
 
 def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[Document]]:
@@ -46,15 +49,11 @@ def sample_documents(config: AtlasConfig, sample_docs: int) -> tuple[int, list[D
     return total, docs[:sample_docs]
 
 
-def _say(message: str) -> None:
-    print(message, flush=True)  # flushed: `atlas estimate | tee` shows each measurement as it ends
-
-
 def _measured(row: dict, seconds: float) -> str:
     return f"  {row['stage']}: {row['sample']:,} {row['unit']} in {seconds:,.1f} s = {row['per_second']:,.1f}/s"
 
 
-def estimate(config: AtlasConfig, sample_docs: int = 200, log=_say) -> list[dict]:
+def estimate(config: AtlasConfig, sample_docs: int = 200, log=logger.info) -> list[dict]:
     """Time each map stage on the sample, saying what it measures as it goes; one row per stage."""
     from atlas.runner import run_stages
 

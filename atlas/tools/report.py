@@ -12,13 +12,15 @@ from __future__ import annotations
 import base64
 import html
 import json
+import logging
 import math
-import sys
 from pathlib import Path
 
 from atlas.core.files import atomic_write_bytes, read_json, stable_hash
 from atlas.core.plots import curves
 from atlas.io import layout
+
+log = logging.getLogger("atlas.tools.report")
 
 # Which stage writes each plot (a plot is shown only while that stage is recorded: --force clears a
 # stage's outputs but not RUN/report/, so an older plot would otherwise pass for a current one) and the
@@ -400,6 +402,6 @@ def write_html_report(run_root) -> Path:
 def refresh_report(run_root) -> None:
     """Rewrite the report after a run or a training; a failure only warns, it never fails the run."""
     try:
-        print(f"report: {write_html_report(run_root)}")
+        log.info("report: %s", write_html_report(run_root))
     except Exception as e:  # noqa: BLE001 - the report is a convenience, the run's outputs are what matter
-        print(f"warning: could not write the run report: {type(e).__name__}: {e}", file=sys.stderr)
+        log.warning("warning: could not write the run report: %s: %s", type(e).__name__, e)

@@ -1,0 +1,114 @@
+"""``atlas export RUN OUT --push-to-hub DEST``: publish the release view once it is written.
+
+    DEST = ORG/NAME                   a dataset repository on the Hugging Face Hub, created when missing (public
+                                      unless --private); needs a token with write access (HF_TOKEN, or `hf auth login`)
+    DEST = a path or a file:// URL    a local folder that gets the same files (an air-gapped mirror)
+
+A DEST of the form ``name/name`` is a Hub repository unless that folder exists; write ``./org/name`` or
+``file://...`` for a new local folder of that shape. Either way DEST ends up holding exactly the export: an earlier
+export in the mirror is replaced whole, and on the Hub the parts no longer exported are deleted (``chunks/*``,
+``field_guide/*``), so the card's globs read no stale part. OUT/README.md is the dataset card, so
+``datasets.load_dataset(DEST)`` reads the chunks in both cases.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME
+TEMPORARY = [".*", "*/.*"]  # what the export leaves only while it runs (scratch, half-written files)
+REPLACED_ON_THE_HUB = ["chunks/*", "field_guide/*"]  # folders of parts: a part not exported again must go
+
+
+class PublishError(RuntimeError):
+    """The export cannot be published to DEST (no token, a folder that is not a mirror, the Hub refused)."""
+
+
+def destination(dest: str) -> Path | str:
+    """A local folder (a Path), or a Hub dataset repository id (a str)."""
+    if dest.startswith("file:"):
+        url = urlparse(dest)
+        if url.netloc not in ("", "localhost"):
+            raise PublishError(f"--push-to-hub {dest}: a file:// URL must name a folder of this machine "
+                               "(file:///path/to/mirror)")
+        return Path(url2pathname(url.path))
+    if HUB_REPO.fullmatch(dest) and not Path(dest).exists():
+        return dest
+    return Path(dest).expanduser()
+
+
+def check_destination(dest: str, out: str | Path) -> Path | str:
+    """The destination, checked before anything is exported: a Hub repository needs a token, a local folder must be
+    empty, new or an earlier mirror, and outside OUT."""
+    target, out = destination(dest), Path(out).resolve()
+    if isinstance(target, str):
+        if not _hub_token():
+            raise PublishError(f"--push-to-hub {dest}: no Hugging Face token; set the environment variable HF_TOKEN "
+                               "to a token with write access (https://huggingface.co/settings/tokens), or log in "
+                               "once with `hf auth login`")
+        return target
+    resolved = target.resolve()
+    if resolved == out or out in resolved.parents or resolved in out.parents:
+        raise PublishError(f"--push-to-hub {dest}: the mirror must be a folder outside {out}, and not hold it")
+    if resolved.exists() and (not resolved.is_dir() or any(resolved.iterdir())) and not (
+            resolved / "export.json").is_file():
+        raise PublishError(f"--push-to-hub {dest}: not empty and not an earlier mirror of an export (no export.json); "
+                           "choose another folder")
+    return target
+
+
+def publish(out: str | Path, dest: str, private: bool = False) -> str:
+    """Publish the export folder ``out`` to ``dest``; returns where it went (a folder, or the repository's URL)."""
+    target = check_destination(dest, out)
+    if isinstance(target, Path):
+        _mirror(Path(out), target)
+        return str(target)
+    return _upload(Path(out), target, private)
+
+
+def published_files(out: Path) -> list[Path]:
+    """The files of the export, by path relative to it, temporaries left out."""
+    return sorted(p.relative_to(out) for p in out.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out).parts))
+
+
+def _mirror(out: Path, target: Path) -> None:
+    """Copy the export into ``target`` through a staging folder beside it, so a copy cut short leaves the earlier
+    mirror (or nothing) rather than half of each."""
+    staging = target.with_name(f".{target.name}.publish.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    for rel in published_files(out):
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(out / rel, staging / rel)
+    if target.exists():
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(target)
+
+
+def _hub_token() -> str | None:
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        raise PublishError("--push-to-hub ORG/NAME needs huggingface_hub: pip install huggingface_hub (a local "
+                           "folder as DEST needs nothing)") from None
+    return get_token()  # HF_TOKEN, or the token `hf auth login` stored
+
+
+def _upload(out: Path, repo_id: str, private: bool) -> str:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    api = HfApi(token=_hub_token())
+    try:
+        url = api.create_repo(repo_id, repo_type="dataset", exist_ok=True, private=private)
+        api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=out, ignore_patterns=TEMPORARY,
+                          delete_patterns=REPLACED_ON_THE_HUB, commit_message=f"atlas export ({out.name})")
+    except (HfHubHTTPError, OfflineModeIsEnabled) as e:
+        raise PublishError(f"--push-to-hub {repo_id}: {e}; the export in {out} is complete, rerun the same command "
+                           "to publish it") from None
+    return str(url)
