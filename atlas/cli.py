@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     def config_args(p):
         p.add_argument("config", help="run configuration (YAML), e.g. configs/demo.yaml")
         p.add_argument("--stages", help="comma-separated stages to run (default: all, in pipeline order)")
-        p.add_argument("--input", help="input documents (file, glob or folder); overrides input.path")
+        p.add_argument("--input", help="input documents: a file, glob or folder, or a URL such as "
+                                       "s3://bucket/corpus/ or hf://datasets/org/name/; overrides input.path")
         p.add_argument("--run-dir", help="run directory; overrides run_dir")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
         p.add_argument("--force", action="store_true",

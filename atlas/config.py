@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,6 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot be used; the message says where and why."""
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # "s3://", "hf://", "file://": an fsspec URL, not a local path
+
+
+def is_url(path: str | Path) -> bool:
+    """Whether ``path`` is a URL (``s3://bucket/key``) rather than a local path."""
+    return _URL.match(str(path)) is not None
 
 
 def _is_number(annotation: Any) -> bool:
@@ -40,7 +49,9 @@ class Section(BaseModel):
 class InputConfig(Section):
     """Where the documents come from and which fields hold what."""
 
-    path: str | None = None  # a file, a glob, or a directory; relative paths resolve against the config file
+    # a file, a glob, or a directory; relative paths resolve against the config file. Or a URL that fsspec reads:
+    # s3://bucket/prefix/ (the s3 extra), gs://, hf://datasets/org/name/..., each a file, a folder or a glob.
+    path: str | None = None
     format: Literal["auto", "parquet", "jsonl", "text"] = "auto"
     text_field: str = "text"
     id_field: str | None = "doc_id"  # None (or a missing field) -> "<file stem>:<row>"
@@ -375,19 +386,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
     for assignment in overrides:
         apply_override(data, assignment)
     if input is not None:  # JSON strings are YAML: the path is taken as it is, never parsed as a number or a list
-        where = str(input) if "://" in str(input) else str(Path(input).resolve())
+        where = str(input) if is_url(input) else str(Path(input).resolve())
         apply_override(data, f"input.path={json.dumps(where)}")
     if run_dir is not None:
-        apply_override(data, f"run_dir={json.dumps(str(Path(run_dir).resolve()))}")
+        where = str(run_dir) if is_url(run_dir) else str(Path(run_dir).resolve())  # a URL is refused below
+        apply_override(data, f"run_dir={json.dumps(where)}")
     try:
         config = AtlasConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_explain(e, source)) from None
+    if is_url(config.run_dir):  # Path() would make "s3://b/run" a local folder "s3:/b/run"
+        raise ConfigError(f"run_dir {config.run_dir}: run directories in object storage are not supported yet: run "
+                          "with a local --run-dir and copy the finished run, e.g. with `aws s3 sync`")
     config.run_dir = str((base / config.run_dir).resolve())
     for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir"), (config.annotate, "annotator_from")):
         if getattr(section, key):
             setattr(section, key, str((base / getattr(section, key)).resolve()))
-    if config.input.path and "://" not in config.input.path:
+    if config.input.path and not is_url(config.input.path):
         config.input.path = str((base / config.input.path).resolve())
     if problems := _missing_files(config) + _unknown_domains(config, declared):
         raise ConfigError("\n".join([f"invalid configuration in {source}:", *problems]))

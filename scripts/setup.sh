@@ -8,6 +8,6 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-EXTRAS="${ATLAS_EXTRAS:-dev,embed,library,cluster}"  # embed: torch (CPU), sentence-transformers, MiniLM; library: faiss, louvain; cluster: ray, prefect-ray
+EXTRAS="${ATLAS_EXTRAS:-dev,embed,library,cluster,s3}"  # embed: torch (CPU), sentence-transformers, MiniLM; library: faiss, louvain; cluster: ray, prefect-ray; s3: s3fs (s3:// inputs)
 .venv/bin/python -m pip install --quiet --disable-pip-version-check \
   -c requirements/constraints.txt -e ".[${EXTRAS}]"

@@ -15,6 +15,7 @@ EXTRAS = {
     "library": ("faiss", "community", "networkx", "sklearn", "scipy", "matplotlib"),
     "cluster": ("ray", "prefect_ray"),
     "gpu": ("vllm",),
+    "s3": ("s3fs",),  # input.path s3://... (other fsspec URLs need their own package, e.g. gcsfs for gs://)
 }
 
 

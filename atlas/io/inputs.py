@@ -16,36 +16,46 @@ original id stays in ``source_doc_id``. Planning spills every (id, position) to 
 DuckDB finds the later occurrences within ``execution.memory_gb``; their positions, sorted, go to
 ``_renames.parquet`` beside the plan, and each shard reads only its own range of it. (Ids that a
 record lacks and gets from its position take no part.)
+
+Where: ``input.path`` is a local path (read with plain ``open`` and pyarrow's local files), or a URL that fsspec
+reads (``s3://bucket/prefix/``, ``gs://``, ``hf://datasets/org/name/...``; each a folder, a file or a glob). Remote
+files stream as local ones do: a plain JSONL shard seeks to its byte offset, a Parquet shard reads only its row
+groups. Plans, rejects and messages name a remote file by its URL.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import itertools
 import json
 import math
+import os
 import tempfile
 import zlib
 from array import array
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from atlas.config import InputConfig
+from atlas.config import InputConfig, is_url
+from atlas.core.extras import MissingExtra, require
 from atlas.core.files import InputError  # noqa: F401 (defined with the other file errors; imported from here too)
 from atlas.io.outofcore import PartWriter, duckdb_session, record_batches, scratch
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
+INPUT_SUFFIXES = (".parquet", *JSONL_SUFFIXES, *TEXT_SUFFIXES)  # the files a folder's listing keeps
 PLAN_VERSION = 2  # 2: JSONL byte offsets, duplicate ids in RENAMES (1 held every duplicate id in the plan)
 RENAMES = "_renames.parquet"  # beside the plan: the sorted positions of the records whose duplicate id is renamed
 RENAMES_SCHEMA = pa.schema([("position", pa.int64())])
@@ -128,13 +138,96 @@ class ShardSpec:
     offset: int | None = None  # plain JSONL: the byte offset of line ``start``
 
 
+# --- remote files: URLs read through fsspec --------------------------------------------------------------------
+
+# Keys of fsspec's info() that tell one version of a remote file from another. A checksum or ETag first: an identical
+# re-upload keeps it, as an identical local copy keeps its sha256. Else a version id or a modification time.
+CONTENT_TAGS = ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "Content-MD5", "Digest")
+VERSION_TAGS = ("VersionId", "generation", "LastModified", "last_modified", "updated", "mtime")
+
+
+def _filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem that reads ``url``, and the path within it."""
+    scheme = url.split("://", 1)[0]
+    options = {}
+    if scheme in ("s3", "s3a"):
+        require(["s3"], f"input {url}")
+        # S3-compatible stores (MinIO, Ceph, R2): botocore reads these variables itself since 2023, older versions not
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint and os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
+            options["endpoint_url"] = endpoint
+    if scheme not in fsspec.available_protocols():
+        raise InputError(f"{url}: unknown URL scheme '{scheme}://'; input.path is a local path, or a URL of a scheme "
+                         f"fsspec knows: {', '.join(sorted(fsspec.available_protocols()))}")
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:  # fsspec knows the scheme, but the package that implements it is not installed
+        raise MissingExtra(f"input {url}: reading {scheme}:// needs a package that is not installed: {e}") from None
+
+
+def _list_url(url: str, cfg: InputConfig) -> list[str]:
+    """The input files of a URL (a folder, a file or a glob) as URLs, in the order the same local files would have."""
+    fs, root = _filesystem(url)
+    fs.invalidate_cache()  # a listing cached by an earlier run in this process would hide a changed file
+    try:
+        folder = fs.isdir(root)
+        if folder:
+            found = [p for p in fs.find(root) if PurePosixPath(p).name.lower().endswith(INPUT_SUFFIXES)]
+        elif glob.has_magic(root):
+            found = [p for p, info in fs.glob(root, detail=True).items() if info["type"] == "file"]
+        else:
+            fs.info(root)  # its FileNotFoundError says what is missing: the file, or the bucket
+            found = [root]
+    except FileNotFoundError as e:
+        why = "" if root in str(e) else f" ({e})"  # s3fs: "The specified bucket does not exist"
+        raise InputError(f"input not found: {url}{why}") from None
+    except PermissionError as e:
+        raise InputError(f"{url}: access denied ({e}); check the credentials (for S3: AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws/credentials)") from None
+    except Exception as e:  # an unreachable store: no network, a wrong endpoint (botocore's errors are no OSError)
+        raise InputError(f"{url}: cannot list the input ({type(e).__name__}: {e})") from e
+    if not found:
+        raise InputError(f"{url}: no input files in it" if folder else f"input not found: {url}")
+    if folder:
+        _check_one_format(url, found, cfg)
+    return [fs.unstrip_protocol(p) for p in sorted(found, key=PurePosixPath)]
+
+
+def _open_binary(path: str, **options):
+    """A local file opened with plain ``open``; a URL through fsspec (its files seek). ``options``: fsspec's."""
+    if not is_url(path):
+        return open(path, "rb")
+    fs, inner = _filesystem(path)
+    return fs.open(inner, "rb", **options)
+
+
+def _read_bytes(path: str) -> bytes:
+    if not is_url(path):
+        return Path(path).read_bytes()
+    fs, inner = _filesystem(path)
+    return fs.cat_file(inner)
+
+
+def url_fingerprint(url: str) -> dict:
+    """Identity of a remote input file, for the chunk stage's hash, without reading it: its size and the checksum,
+    ETag, version or modification time that its store gives (see CONTENT_TAGS); a store that gives none has the
+    file's bytes hashed, as a local file's are."""
+    fs, inner = _filesystem(url)
+    info = fs.info(inner)
+    for key in (*CONTENT_TAGS, *VERSION_TAGS):
+        if info.get(key):
+            return {"size": info["size"], key: str(info[key])}
+    with fs.open(inner, "rb") as f:
+        return {"size": info["size"], "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
 # --- discovery ---------------------------------------------------------------------------------
 
 
-def _format_of(path: Path, fmt: str) -> str:
+def _format_of(path: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt
-    name = path.name.lower()
+    name = PurePosixPath(path).name.lower()
     if name.endswith(".parquet"):
         return "parquet"
     if name.endswith(JSONL_SUFFIXES):
@@ -144,43 +237,54 @@ def _format_of(path: Path, fmt: str) -> str:
     raise InputError(f"{path}: cannot tell the format from the name; set input.format (parquet, jsonl or text)")
 
 
-def list_input_files(cfg: InputConfig) -> tuple[str, list[Path]]:
-    """The input files, sorted, and their common format."""
-    if not cfg.path:
-        raise InputError("no input: set input.path in the config or pass --input PATH")
+def _check_one_format(where, files: list, cfg: InputConfig) -> None:
+    formats = {_format_of(str(p), cfg.format) for p in files}
+    if len(formats) > 1:
+        raise InputError(f"{where}: mixes {sorted(formats)} files; set input.format to choose one")
+
+
+def _list_local(cfg: InputConfig) -> list[str]:
     root = Path(cfg.path)
     if root.is_dir():
-        known = (".parquet", *JSONL_SUFFIXES, *TEXT_SUFFIXES)
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.lower().endswith(known))
-        formats = {_format_of(p, cfg.format) for p in files}
-        if len(formats) > 1:
-            raise InputError(f"{root}: mixes {sorted(formats)} files; set input.format to choose one")
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.lower().endswith(INPUT_SUFFIXES))
+        _check_one_format(root, files, cfg)
     else:
         files = [root] if root.exists() else sorted(Path(p) for p in glob.glob(str(root)))
     if not files:
         raise InputError(f"input not found: {root}" if not root.exists() else f"{root}: no input files in it")
+    return [str(p) for p in files]
+
+
+def list_input_files(cfg: InputConfig) -> tuple[str, list[str]]:
+    """The input files (local paths, or URLs when input.path is one), sorted, and their common format."""
+    if not cfg.path:
+        raise InputError("no input: set input.path in the config or pass --input PATH")
+    files = _list_url(cfg.path, cfg) if is_url(cfg.path) else _list_local(cfg)
     return _format_of(files[0], cfg.format), files
 
 
 # --- planning ----------------------------------------------------------------------------------
 
 
-def _is_compressed(path: Path) -> bool:
-    return path.name.lower().endswith((".gz", ".zst"))
+def _is_compressed(path: str) -> bool:
+    return path.lower().endswith((".gz", ".zst"))
 
 
-def _open_text(path: Path) -> io.BufferedReader:
-    name = path.name.lower()
+def _open_text(path: str, stack: ExitStack) -> io.IOBase:
+    """The bytes of a JSONL file, decompressed; ``stack`` closes it and the file under it."""
+    raw = stack.enter_context(_open_binary(path))
+    name = path.lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
     if name.endswith(".zst"):
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
-    return open(path, "rb")
+        return stack.enter_context(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+    return raw
 
 
-def _iter_lines(path: Path, offset: int = 0) -> Iterator[bytes]:
+def _iter_lines(path: str, offset: int = 0) -> Iterator[bytes]:
     """The lines of a JSONL file; a plain one from byte ``offset`` on."""
-    with _open_text(path) as raw:
+    with ExitStack() as stack:
+        raw = _open_text(path, stack)
         if offset:
             raw.seek(offset)
         try:
@@ -189,14 +293,17 @@ def _iter_lines(path: Path, offset: int = 0) -> Iterator[bytes]:
             raise InputError(f"{path}: cannot decompress ({e}); is the file truncated?") from e
 
 
-def _parquet_file(path: Path) -> pq.ParquetFile:
+def _parquet_file(path: str) -> pq.ParquetFile:
+    # A remote file without read-ahead: pyarrow asks for the footer, then for the column chunks of the row groups it
+    # reads, which pre_buffer joins into few requests.
+    source = _open_binary(path, cache_type="none") if is_url(path) else path
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(source, pre_buffer=is_url(path))
     except (pa.ArrowInvalid, OSError) as e:
         raise InputError(f"{path}: not a readable Parquet file ({e}); is it corrupt or truncated?") from e
 
 
-def _check_parquet_columns(path: Path, pf: pq.ParquetFile, cfg: InputConfig) -> None:
+def _check_parquet_columns(path: str, pf: pq.ParquetFile, cfg: InputConfig) -> None:
     names = pf.schema_arrow.names
     if cfg.text_field not in names:
         raise InputError(
@@ -251,7 +358,7 @@ class _IdSpill:
         return out.rows
 
 
-def _scan_parquet(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill | None) -> int:
+def _scan_parquet(path: str, cfg: InputConfig, file_index: int, ids: _IdSpill | None) -> int:
     """The number of rows of a Parquet file, its columns checked; the id of each row goes to ``ids``."""
     pf = _parquet_file(path)
     _check_parquet_columns(path, pf, cfg)
@@ -265,7 +372,7 @@ def _scan_parquet(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill |
     return pf.metadata.num_rows
 
 
-def _scan_jsonl(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill | None,
+def _scan_jsonl(path: str, cfg: InputConfig, file_index: int, ids: _IdSpill | None,
                 offsets_path: Path | None) -> int:
     """The number of lines of a JSONL file, in one pass that also writes the byte offset of every line to
     ``offsets_path`` (8 bytes a line, so memory does not grow with the file) and gives each record's id to ``ids``."""
@@ -291,6 +398,14 @@ def _scan_jsonl(path: Path, cfg: InputConfig, file_index: int, ids: _IdSpill | N
     return rows
 
 
+def _text_root(path: str, files: list[str]) -> str:
+    """The folder that a text input's document ids are relative to: the input folder, or the first file's."""
+    if is_url(path):
+        fs, inner = _filesystem(path)
+        return fs.unstrip_protocol(inner) if fs.isdir(inner) else files[0].rsplit("/", 1)[0]
+    return str(Path(path)) if Path(path).is_dir() else str(Path(files[0]).parent)
+
+
 def _cut(n: int, docs_per_shard: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of about ``docs_per_shard`` of ``n`` rows, of even sizes."""
     per = math.ceil(n / max(1, math.ceil(n / docs_per_shard))) if n else 0
@@ -312,10 +427,10 @@ def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Pa
         (folder / RENAMES).unlink(missing_ok=True)  # an earlier plan's
     shards: list[ShardSpec] = []
     if fmt == "text":
-        root = Path(cfg.path) if Path(cfg.path).is_dir() else files[0].parent
+        root = _text_root(cfg.path, files)
         for start in range(0, len(files), cfg.docs_per_shard):
-            shards.append(ShardSpec(str(root), start, min(start + cfg.docs_per_shard, len(files))))
-        return {"version": PLAN_VERSION, "format": fmt, "files": [str(p) for p in files],
+            shards.append(ShardSpec(root, start, min(start + cfg.docs_per_shard, len(files))))
+        return {"version": PLAN_VERSION, "format": fmt, "files": files,
                 "shards": [asdict(s) for s in shards], "renamed": 0}
 
     with ExitStack() as stack:
@@ -324,21 +439,21 @@ def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Pa
         for file_index, path in enumerate(files):
             if fmt == "parquet":
                 ranges = _cut(_scan_parquet(path, cfg, file_index, ids), cfg.docs_per_shard)
-                shards += [ShardSpec(str(path), start, stop) for start, stop in ranges]
+                shards += [ShardSpec(path, start, stop) for start, stop in ranges]
                 continue
             offsets_path = None if _is_compressed(path) else spill / "offsets.bin"  # compressed: no seeking
             ranges = _cut(_scan_jsonl(path, cfg, file_index, ids, offsets_path), cfg.docs_per_shard)
             if offsets_path and ranges:
                 offsets = np.memmap(offsets_path, dtype=np.int64, mode="r")
-                shards += [ShardSpec(str(path), start, stop, int(offsets[start])) for start, stop in ranges]
+                shards += [ShardSpec(path, start, stop, int(offsets[start])) for start, stop in ranges]
                 del offsets
             else:
-                shards += [ShardSpec(str(path), start, stop) for start, stop in ranges]
+                shards += [ShardSpec(path, start, stop) for start, stop in ranges]
         if not shards:
-            raise InputError(f"{cfg.path}: no records in {', '.join(p.name for p in files)} (empty file(s)); "
-                             "nothing to process")
+            names = ", ".join(PurePosixPath(p).name for p in files)
+            raise InputError(f"{cfg.path}: no records in {names} (empty file(s)); nothing to process")
         renamed = ids.write_renames(folder / RENAMES, memory_gb) if ids is not None else 0
-    return {"version": PLAN_VERSION, "format": fmt, "files": [str(p) for p in files],
+    return {"version": PLAN_VERSION, "format": fmt, "files": files,
             "shards": [asdict(s) for s in shards], "renamed": renamed}
 
 
@@ -347,7 +462,7 @@ def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Pa
 
 def _records_parquet(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
     """(row, record, problem) for rows [start, stop) of a Parquet file, reading only the row groups needed."""
-    path = Path(spec.file)
+    path = spec.file
     pf = _parquet_file(path)
     _check_parquet_columns(path, pf, cfg)
     wanted = [c for c in {cfg.text_field, cfg.id_field, cfg.domain_field, cfg.data_src_field, *cfg.metadata_fields}
@@ -372,9 +487,9 @@ def _records_parquet(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, d
 
 def _records_jsonl(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
     if spec.offset is not None:  # a plain file: read from the shard's first line on
-        lines = _iter_lines(Path(spec.file), spec.offset)
+        lines = _iter_lines(spec.file, spec.offset)
     else:  # a compressed one is decompressed from its start
-        lines = itertools.islice(_iter_lines(Path(spec.file)), spec.start, None)
+        lines = itertools.islice(_iter_lines(spec.file), spec.start, None)
     for row, line in zip(range(spec.start, spec.stop), lines):
         try:
             text = line.decode("utf-8")
@@ -397,11 +512,11 @@ def _records_jsonl(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dic
 
 def _records_text(spec: ShardSpec, files: list[str],
                   cfg: InputConfig) -> Iterator[tuple[int, dict | None, str | None]]:
-    root = Path(spec.file)
+    root = PurePosixPath(spec.file)  # a local folder or a URL: both are /-separated
     for index in range(spec.start, spec.stop):
-        path = Path(files[index])
+        path = PurePosixPath(files[index])
         rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
-        raw = path.read_bytes()
+        raw = _read_bytes(files[index])
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

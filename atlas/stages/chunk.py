@@ -27,19 +27,19 @@ import os
 import threading
 from bisect import bisect_left, bisect_right
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import pyarrow as pa
 
-from atlas.config import ChunkDomain
+from atlas.config import ChunkDomain, is_url
 from atlas.core.files import InputError, atomic_write_json, atomic_write_parquet, file_fingerprint, read_json
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import CHUNK_SCHEMA
-from atlas.io.inputs import PLAN_VERSION, Document, Reject, list_input_files, plan_shards, read_shard
+from atlas.io.inputs import PLAN_VERSION, Document, Reject, list_input_files, plan_shards, read_shard, url_fingerprint
 
 CHUNKER_VERSION = 2  # bump when the algorithm changes, so finished runs are recomputed
 
@@ -321,18 +321,23 @@ class ChunkStage(Stage):
             }
         return self._identity
 
-    def _fingerprints(self, files: list[Path]) -> dict:
+    def _fingerprints(self, files: list[str]) -> dict:
         """Size and sha256 of every input file by its name within the input (not its absolute path: a moved input is
         the same input), so that a conflict names the file that changed. The hashes are cached in the run directory
-        (see ``file_fingerprint``); new ones are written by ``plan``, as a run that is refused writes nothing."""
+        (see ``file_fingerprint``); new ones are written by ``plan``, as a run that is refused writes nothing.
+        Remote files (URLs) have their size and their store's ETag or version instead (see ``url_fingerprint``)."""
+        paths = [PurePosixPath(f.split("://", 1)[1]) if is_url(f) else Path(f) for f in files]
+        base = Path(os.path.commonpath(paths)) if len(paths) > 1 else paths[0].parent
+        names = [p.relative_to(base).as_posix() for p in paths]
+        if is_url(files[0]):  # nothing to cache: the store's listing gives each file's tag
+            return {name: url_fingerprint(url) for name, url in zip(names, files)}
         try:
             known = read_json(self._cache_path()) if self._cache_path().is_file() else {}
         except InputError:  # a damaged cache (read_json names it) only costs a re-hash
             known = {}
         cache = dict(known)
-        base = Path(os.path.commonpath(files)) if len(files) > 1 else files[0].parent
-        fingerprints = {p.relative_to(base).as_posix(): file_fingerprint(p, cache) for p in files}
-        listed = {str(p.resolve()) for p in files}
+        fingerprints = {name: file_fingerprint(p, cache) for name, p in zip(names, paths)}
+        listed = {str(p.resolve()) for p in paths}
         cache = {key: entry for key, entry in cache.items() if key in listed}  # files gone from the input leave it
         self._new_cache = cache if cache != known else None
         return fingerprints

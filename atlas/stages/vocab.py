@@ -175,8 +175,9 @@ def _sorted_pairs(con, tmp: Path) -> Iterator[pa.RecordBatch]:
 
     def ranges() -> Iterator[pa.RecordBatch]:
         for i in range(n_ranges):
-            yield from record_batches(cursor, f"""SELECT DISTINCT rank, chunk_id FROM read_parquet(
-                {sql_string(folder / f"range={i}" / "*.parquet")}) ORDER BY rank, chunk_id""")
+            if (folder / f"range={i}").is_dir():  # a tag on more than PAIRS_PER_PASS chunks skips a range number
+                yield from record_batches(cursor, f"""SELECT DISTINCT rank, chunk_id FROM read_parquet(
+                    {sql_string(folder / f"range={i}" / "*.parquet")}) ORDER BY rank, chunk_id""")
 
     return ranges()
 
