@@ -598,11 +598,32 @@ def _log_to_terminal():
         logger.propagate = propagate
 
 
-def _quiet_prefect_shutdown() -> None:
-    """After Ctrl-C, Prefect stops its temporary server at exit and cancels the server's database tasks midway;
-    SQLAlchemy's pool then logs each cancelled rollback as an ERROR with a traceback. Nothing is wrong by then
-    (the run's own files are written whole or not at all), so those records would only bury the one line."""
-    logging.getLogger("sqlalchemy").setLevel(logging.CRITICAL)
+def _prefect_logging_config() -> None:
+    """Point Prefect at its own logging config with SQLAlchemy's pool logger quieted (unless the user set one).
+
+    Ctrl-C reaches Prefect's temporary server too (a subprocess sharing our terminal); its shutdown cancels the
+    server's database work midway, and SQLAlchemy's pool logs each cancelled rollback as an ERROR with a
+    traceback, under the one line Atlas prints. Prefect configures the logging of both processes from the file
+    that PREFECT_LOGGING_SETTINGS_PATH names, so the file is Prefect's installed logging.yml plus that logger,
+    written once per Prefect version. Set before Prefect is imported."""
+    import importlib.metadata
+    import importlib.util
+    import tempfile
+
+    import yaml
+
+    from atlas.core.files import atomic_write_bytes
+
+    spec = importlib.util.find_spec("prefect")
+    if "PREFECT_LOGGING_SETTINGS_PATH" in os.environ or spec is None or spec.origin is None:
+        return
+    version = importlib.metadata.version("prefect")
+    path = Path(tempfile.gettempdir()) / f"atlas-prefect-logging-{version}-{os.getuid()}.yml"
+    if not path.exists():
+        config = yaml.safe_load((Path(spec.origin).parent / "logging" / "logging.yml").read_text())
+        config.setdefault("loggers", {})["sqlalchemy.pool"] = {"level": "CRITICAL"}
+        atomic_write_bytes(path, yaml.safe_dump(config, sort_keys=False).encode())
+    os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -612,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary server can take longer than Prefect's 20 s to start on a busy laptop.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    _prefect_logging_config()
     if getattr(args, "num_shards", "absent") is None:
         args.num_shards = 1 << 62  # one shard per task
     from atlas.config import ConfigError
@@ -625,7 +647,6 @@ def main(argv: list[str] | None = None) -> int:
             return args.fn(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
         print(_interrupted(args), file=sys.stderr)
-        _quiet_prefect_shutdown()
         return 130
     except (ConfigError, UsageError, InputError, RunConflict, RunLocked, StageFailed, MissingExtra, FileNotFoundError,
             FileExistsError) as e:

@@ -69,3 +69,26 @@ def test_atlas_stage_runs_with_the_config_of_the_latest_plan(tmp_path, demo_reco
     assert main(["stage", "chunk", "--run-dir", run_dir, "--shard", "0"]) == 0
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["config"]["chunk"]["domains"]["web"]["max_tokens"] == 40
+
+
+def test_prefect_logging_config_quiets_the_temporary_servers_cancelled_rollbacks(tmp_path, monkeypatch):
+    """Ctrl-C also stops Prefect's temporary server (a subprocess on the same terminal), whose SQLAlchemy pool then
+    logged each cancelled rollback as an ERROR traceback under Atlas's one line. The CLI points both processes at
+    Prefect's logging config plus that one quiet logger."""
+    import os
+
+    from atlas.cli import _prefect_logging_config
+
+    monkeypatch.delenv("PREFECT_LOGGING_SETTINGS_PATH", raising=False)
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    _prefect_logging_config()
+    path = os.environ["PREFECT_LOGGING_SETTINGS_PATH"]
+    assert path.startswith(str(tmp_path))
+    check = ("import logging; from prefect.logging.configuration import setup_logging; setup_logging(); "
+             "print(logging.getLogger('sqlalchemy.pool.impl.AsyncAdaptedQueuePool').isEnabledFor(logging.ERROR), "
+             "logging.getLogger('prefect.flow_runs').handlers[0].__class__.__name__)")
+    quiet = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=os.environ | {
+        "PREFECT_LOGGING_SETTINGS_PATH": path}, check=True).stdout.split()
+    default = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env={
+        k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_SETTINGS_PATH"}, check=True).stdout.split()
+    assert quiet == ["False", default[1]] and default[0] == "True"  # Prefect's own handlers are all still there
