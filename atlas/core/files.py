@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,23 +33,32 @@ class ArtifactError(InputError):
     recompute the stage that writes it."""
 
 
-def _tmp_path(path: Path) -> Path:
+def temporary_path(path: Path) -> Path:
+    """Where a file is written before it is renamed to ``path``: a hidden name in the same folder, per process."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+@contextmanager
+def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file written under a temporary name and renamed to ``path`` on a clean exit (for a file too large
+    to hold in memory: ``atomic_write_bytes`` otherwise)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # a full disk or a kill: the previous file stays, the half-written one goes
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -73,7 +84,7 @@ def atomic_write_parquet(path: str | Path, table: pa.Table) -> None:
     """Write a Parquet file atomically; the same table always gives the same bytes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    tmp = temporary_path(path)
     try:
         pq.write_table(table, tmp, compression="zstd", row_group_size=64_000)
         with open(tmp, "rb+") as f:

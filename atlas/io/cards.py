@@ -106,11 +106,8 @@ def _table(files: list[Path], meanings: dict) -> list[str]:
     return lines
 
 
-def dataset_card(folder: Path, stage: str) -> str | None:
-    """The card of a finished stage folder (``_README.md``), or None when the folder holds no Parquet table."""
-    configs = dataset_configs(folder)
-    if not configs:
-        return None
+def dataset_card(folder: Path, stage: str, configs: list[dict]) -> str:
+    """The card of a finished stage folder (``_README.md``) whose ``configs`` are ``dataset_configs(folder)``."""
     output = folder.name
     lines = [f"# `{output}`: the output of the Atlas stage `{stage}`", ""]
     for c in configs:
@@ -140,9 +137,8 @@ def dataset_card(folder: Path, stage: str) -> str | None:
 def write_dataset_card(folder: Path, stage: str) -> None:
     """Write ``_README.md`` and ``.huggingface.yaml`` into a finished stage folder (nothing when it holds no
     Parquet table)."""
-    card = dataset_card(folder, stage)
-    if card is None:
+    configs = dataset_configs(folder)
+    if not configs:
         return
-    atomic_write_bytes(folder / CARD_FILE, card.encode())
-    atomic_write_bytes(folder / CONFIGS_FILE, yaml.safe_dump({"configs": dataset_configs(folder)},
-                                                             sort_keys=False).encode())
+    atomic_write_bytes(folder / CARD_FILE, dataset_card(folder, stage, configs).encode())
+    atomic_write_bytes(folder / CONFIGS_FILE, yaml.safe_dump({"configs": configs}, sort_keys=False).encode())

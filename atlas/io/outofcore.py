@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from atlas.core.files import open_parquet
+from atlas.core.files import open_parquet, temporary_path
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 
@@ -221,10 +221,6 @@ class RowFile:
         return mean, np.sqrt(variance)
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
 class PartWriter:
     """A Parquet file written from tables that arrive in order, atomically (temporary name, then rename).
 
@@ -236,7 +232,7 @@ class PartWriter:
     def __init__(self, path: Path, schema: pa.Schema, list_column: str | None = None):
         self.path, self.schema, self.list_column = Path(path), schema, list_column
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = _tmp_path(self.path)
+        self.tmp = temporary_path(self.path)
         self.writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
         self.pending: list[pa.Table] = []
         self.pending_rows = self.pending_values = self.rows = 0
@@ -300,7 +296,7 @@ class NpyWriter:
     def __init__(self, path: Path, shape: tuple[int, ...], dtype):
         self.path, self.shape, self.dtype = Path(path), shape, np.dtype(dtype)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = _tmp_path(self.path)
+        self.tmp = temporary_path(self.path)
         self.file = open(self.tmp, "wb")
         np.lib.format.write_array_header_1_0(self.file, {"descr": np.lib.format.dtype_to_descr(self.dtype),
                                                           "fortran_order": False, "shape": shape})

@@ -24,7 +24,6 @@ Memory holds one shard's index; the .bin is copied through a buffer of ``COPY_TO
 
 from __future__ import annotations
 
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -33,7 +32,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from atlas.core.files import ArtifactError, atomic_write_bytes, atomic_write_json, atomic_write_parquet, read_parquet
+from atlas.core.files import (
+    ArtifactError,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_parquet,
+    atomic_writer,
+    read_parquet,
+)
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.tokens import RETOKENIZE, TokenShards
@@ -165,19 +171,11 @@ def _export_shard(shards: TokenShards, shard: int, out: Path) -> dict:
 def _copy_as_int32(stream: np.ndarray, path: Path, part: Path) -> None:
     """Write the uint32 stream as Megatron's int32: ids below 2**31 have the same bytes in both, so it is a copy,
     checked id by id, a buffer at a time; written to a temporary name, then renamed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            for start in range(0, len(stream), COPY_TOKENS):
-                block = np.asarray(stream[start : start + COPY_TOKENS])
-                if block.max() >= INT32_LIMIT:
-                    at = start + int(np.argmax(block >= INT32_LIMIT))
-                    raise ArtifactError(f"{part}: token {at} of its stream is {int(stream[at])}, beyond int32, the "
-                                        f"widest token type Megatron reads; the stream is damaged; {RETOKENIZE}")
-                f.write(block.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_writer(path) as f:
+        for start in range(0, len(stream), COPY_TOKENS):
+            block = np.asarray(stream[start : start + COPY_TOKENS])
+            if block.max() >= INT32_LIMIT:
+                at = start + int(np.argmax(block >= INT32_LIMIT))
+                raise ArtifactError(f"{part}: token {at} of its stream is {int(stream[at])}, beyond int32, the "
+                                    f"widest token type Megatron reads; the stream is damaged; {RETOKENIZE}")
+            f.write(block.tobytes())

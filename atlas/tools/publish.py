@@ -70,20 +70,12 @@ def publish(out: str | Path, dest: str, private: bool = False) -> str:
     return _upload(Path(out), target, private)
 
 
-def published_files(out: Path) -> list[Path]:
-    """The files of the export, by path relative to it, temporaries left out."""
-    return sorted(p.relative_to(out) for p in out.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(out).parts))
-
-
 def _mirror(out: Path, target: Path) -> None:
     """Copy the export into ``target`` through a staging folder beside it, so a copy cut short leaves the earlier
     mirror (or nothing) rather than half of each."""
     staging = target.with_name(f".{target.name}.publish.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    for rel in published_files(out):
-        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(out / rel, staging / rel)
+    shutil.copytree(out, staging, ignore=shutil.ignore_patterns(*TEMPORARY))
     if target.exists():
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
