@@ -71,22 +71,23 @@ def run(config: AtlasConfig, stages: Sequence[str] | None = None, force: bool = 
     ``force``, and rewrites RUN/report/. Errors are those the CLI reports: ConfigError, RunConflict, RunLocked,
     StageFailed, MissingExtra, InputError."""
     from atlas.core.lock import run_lock
+    from atlas.io.remote_run import mirror_of
     from atlas.runner import check_run, run_stages
     from atlas.tools.report import refresh_report
 
     config = config.model_copy(deep=True)  # the caller's config stays as it was
     config.execution.orchestrator = "inline"
-    run_dir = Path(config.run_dir)
-    with run_lock(run_dir, f"atlas.api.run(stages={list(stages) if stages else None}, force={force})"):
+    run_dir, mirror = Path(config.run_dir), mirror_of(config)
+    with run_lock(run_dir, f"atlas.api.run(stages={list(stages) if stages else None}, force={force})", mirror):
         checked = check_run(config, stages, force)  # a refused run writes nothing, its report included
         try:
             reports = run_stages(config, stages, force, checked=checked)
         except Exception:  # not Ctrl-C: as after `atlas run`, the report shows the failed shards
             if (run_dir / "manifest.json").exists():
-                refresh_report(run_dir)
+                refresh_report(run_dir, mirror)
             raise
         if not all(r.skipped for r in reports) or not (run_dir / layout.REPORT / "index.html").exists():
-            refresh_report(run_dir)
+            refresh_report(run_dir, mirror)
     return Run(run_dir)
 
 
@@ -95,8 +96,13 @@ class Run:
     Only finished stages are read; anything else raises ``StageNotDone``."""
 
     def __init__(self, path: str | Path):
+        from atlas.config import is_url
         from atlas.core.rundir import RunDir
 
+        if is_url(path):  # a run kept in object storage: read from its local copy, pulled first
+            from atlas.io.remote_run import local_run
+
+            path = local_run(str(path))
         self.dir = RunDir(path)
         if not self.dir.manifest_path.exists():
             raise FileNotFoundError(f"{path}: not an Atlas run directory (no manifest.json)")

@@ -54,6 +54,7 @@ def _load(args) -> AtlasConfig:  # noqa: F821
 
 def cmd_run(args) -> int:
     from atlas.core.lock import run_lock
+    from atlas.io.remote_run import mirror_of
     from atlas.runner import check_run, run_stages
 
     config = _load(args)
@@ -63,7 +64,9 @@ def cmd_run(args) -> int:
     if args.no_progress:
         config.execution.progress = False
     stages = args.stages.split(",") if args.stages else None
-    with run_lock(config.run_dir, getattr(args, "command_line", None)):
+    mirror = mirror_of(config)  # a run_dir in object storage: its lock there too, and the local copy pulled
+    where = config.run_url or config.run_dir
+    with run_lock(config.run_dir, getattr(args, "command_line", None), mirror):
         # Everything that can refuse the run (a conflict, a missing input, an unknown stage) is checked before
         # anything is written: a refused run leaves the run directory as it was, report included.
         checked = check_run(config, stages, args.force)
@@ -76,9 +79,9 @@ def cmd_run(args) -> int:
             else:  # inline, or nothing to do (which needs no Prefect server)
                 reports = run_stages(config, stages, args.force, checked=checked)
             if all(r.skipped for r in reports):
-                print(f"Nothing to do: every stage is already done in {config.run_dir}")
+                print(f"Nothing to do: every stage is already done in {where}")
             else:
-                print(f"Outputs in {config.run_dir} (see `atlas status {config.run_dir}`)")
+                print(f"Outputs in {where} (see `atlas status {where}`)")
         except KeyboardInterrupt:
             interrupted = True  # leave at once: the next run (or `atlas report RUN`) rewrites the report
             raise
@@ -91,17 +94,18 @@ def cmd_run(args) -> int:
             if not interrupted and not nothing_ran and (run_dir / "manifest.json").exists():
                 from atlas.tools.report import refresh_report
 
-                refresh_report(config.run_dir)
+                refresh_report(config.run_dir, mirror)
     return 0
 
 
 def cmd_plan(args) -> int:
     from atlas.core.lock import run_lock
+    from atlas.io.remote_run import mirror_of
     from atlas.runner import run_stages
 
     config = _load(args)
     stages = args.stages.split(",") if args.stages else None
-    with run_lock(config.run_dir, getattr(args, "command_line", None)):
+    with run_lock(config.run_dir, getattr(args, "command_line", None), mirror_of(config)):
         run_stages(config, stages, args.force, plan_only=True)
     return 0
 
@@ -381,6 +385,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
+# Commands that read a finished or running run; given a URL, they read its local copy, pulled first.
+READ_COMMANDS = ("status", "inspect", "judge", "eval", "search", "export", "export-tokens", "report")
+WRITE_REPORT = ("judge", "eval", "report")  # and these upload RUN/report/ back to the bucket
+
+
 def cmd_report(args) -> int:
     from atlas.tools.report import write_html_report
 
@@ -423,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stages", help="comma-separated stages to run (default: all, in pipeline order)")
         p.add_argument("--input", help="input documents: a file, glob or folder, or a URL such as "
                                        "s3://bucket/corpus/ or hf://datasets/org/name/; overrides input.path")
-        p.add_argument("--run-dir", help="run directory; overrides run_dir")
+        p.add_argument("--run-dir", help="run directory: a folder, or a URL such as s3://bucket/runs/mine (worked on "
+                                         "in a local copy, uploaded as it goes); overrides run_dir")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
         p.add_argument("--force", action="store_true",
                        help="recompute the stages even if done, or if the run dir holds another config")
@@ -626,6 +636,26 @@ def _prefect_logging_config() -> None:
     os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(path)
 
 
+def _run_command(args) -> int:
+    """Run the command; a run directory given as a URL is read from its local copy (atlas.io.remote_run)."""
+    from atlas.config import is_url
+
+    url = getattr(args, "run_dir", None) if args.command in (*READ_COMMANDS, "stage") else None
+    if not url or not is_url(url):
+        return args.fn(args)
+    if args.command == "stage":
+        raise UsageError(f"--run-dir {url}: SLURM array tasks need the run directory on a file system their nodes "
+                         f"share; a run in object storage runs with `atlas run CONFIG --run-dir {url}`")
+    from atlas.io import layout
+    from atlas.io.remote_run import RunMirror, local_run
+
+    args.run_dir = str(local_run(url, metadata_only=args.command == "status"))
+    code = args.fn(args)
+    if args.command in WRITE_REPORT:
+        RunMirror(url, args.run_dir).push_tree([Path(args.run_dir) / layout.REPORT])
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = shlex.join(["atlas", *(sys.argv[1:] if argv is None else argv)])
@@ -644,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with _log_to_terminal():
-            return args.fn(args)
+            return _run_command(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
         print(_interrupted(args), file=sys.stderr)
         return 130

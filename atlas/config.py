@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import typing
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -28,6 +29,16 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # "s3://", "hf://", "file://":
 def is_url(path: str | Path) -> bool:
     """Whether ``path`` is a URL (``s3://bucket/key``) rather than a local path."""
     return _URL.match(str(path)) is not None
+
+
+def default_local_copy(url: str) -> Path:
+    """Where a run directory in object storage is worked on when the config names no ``local_copy``:
+    ``$ATLAS_CACHE/runs/<scheme>/<bucket>/<path>`` (ATLAS_CACHE defaults to ~/.cache/atlas)."""
+    scheme, rest = url.split("://", 1)
+    if ".." in PurePosixPath(rest).parts:
+        raise ConfigError(f"run_dir {url}: '..' is not allowed in a run directory URL")
+    cache = Path(os.environ.get("ATLAS_CACHE", Path.home() / ".cache" / "atlas"))
+    return cache / "runs" / scheme / PurePosixPath(rest.strip("/"))
 
 
 def _is_number(annotation: Any) -> bool:
@@ -292,7 +303,12 @@ class ExecutionConfig(Section):
 
 class AtlasConfig(Section):
     name: str = "atlas-run"
-    run_dir: str = "runs/atlas"  # relative paths resolve against the config file
+    # A local folder (relative paths resolve against the config file), or a URL in object storage (s3://bucket/runs/x,
+    # gs://...): such a run is worked on in a local copy and every finished shard is uploaded (atlas.io.remote_run).
+    # After load_config, run_dir is always the local folder the stages work in, and run_url the URL or None.
+    run_dir: str = "runs/atlas"
+    local_copy: str | None = None  # with a run_dir URL: the local copy's folder (default: $ATLAS_CACHE/runs/<url>)
+    run_url: str | None = None  # set by load_config from a run_dir URL
     llm: LLMConfig = Field(default_factory=LLMConfig)  # the engine of every LLM step (tagging, judging, library)
     input: InputConfig = Field(default_factory=InputConfig)
     chunk: ChunkConfig = Field(default_factory=ChunkConfig)
@@ -391,14 +407,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
     if run_dir is not None:
         where = str(run_dir) if is_url(run_dir) else str(Path(run_dir).resolve())  # a URL is refused below
         apply_override(data, f"run_dir={json.dumps(where)}")
+    if data.get("run_url") is not None:
+        raise ConfigError(f"{source}: run_url is set by Atlas; write the URL as run_dir (run_dir: s3://bucket/runs/x)")
     try:
         config = AtlasConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_explain(e, source)) from None
+    if config.run_dir.startswith("file://"):
+        config.run_dir = config.run_dir.removeprefix("file://")
     if is_url(config.run_dir):  # Path() would make "s3://b/run" a local folder "s3:/b/run"
-        raise ConfigError(f"run_dir {config.run_dir}: run directories in object storage are not supported yet: run "
-                          "with a local --run-dir and copy the finished run, e.g. with `aws s3 sync`")
+        config.run_url = config.run_dir.rstrip("/")
+        config.run_dir = config.local_copy or str(default_local_copy(config.run_url))
+    elif config.local_copy:
+        raise ConfigError(f"local_copy {config.local_copy}: only used with a run_dir in object storage (a URL such "
+                          f"as s3://bucket/runs/name); run_dir is the local folder {config.run_dir}")
     config.run_dir = str((base / config.run_dir).resolve())
+    if config.local_copy:
+        config.local_copy = config.run_dir
     for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir"), (config.annotate, "annotator_from")):
         if getattr(section, key):
             setattr(section, key, str((base / getattr(section, key)).resolve()))

@@ -14,6 +14,10 @@ pipeline order:
    and update the manifest.
 
 A killed run resumes at step 3 with the unfinished shards; finished shards are never redone.
+
+A run kept in object storage (``run_dir: s3://...``) runs in a local copy, and ``run.mirror`` uploads each
+finished shard (its files, then its marker), each planned and each finished stage (``_SUCCESS`` last) and the
+manifest (``atlas.io.remote_run``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from atlas.core.lock import run_lock
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
+from atlas.io import layout
 from atlas.io.cards import CARD_FILE, write_dataset_card
+from atlas.io.remote_run import mirror_of
 from atlas.stages import LIBRARY_STAGES, STAGES
 
 # A line per stage (skipped, planned, started, done): the CLI prints them, a notebook sees them with logging at INFO.
@@ -74,12 +80,18 @@ def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) ->
             stage = STAGES[stage_name](config_from_dict(config))
             stage.setup()
             _WORKER_STAGES[key] = stage
-    run = RunDir(stage.config.run_dir)
-    start = time.perf_counter()
+    run = RunDir(stage.config.run_dir, mirror_of(stage.config))
+    started, start = time.time(), time.perf_counter()
     stats = stage.run_shard(run, shard)
     seconds = time.perf_counter() - start
     run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
+    if run.mirror is not None:  # the shard's files, then its marker
+        run.mirror.push_shard(stage_folders(run, stage), started, run.marker_path(stage.output, shard))
     return stats.to_dict()
+
+
+def stage_folders(run: RunDir, stage: Stage) -> list:
+    return [run.output_dir(output) for output in (stage.output, *stage.extra_outputs)]
 
 
 def release_stage(stage_name: str) -> None:
@@ -207,8 +219,8 @@ def run_stages(
 
     Holds the run lock (``RunLocked`` when another process drives the run). ``checked``: what ``check_run`` gave a
     caller that holds the lock already; otherwise the run is checked here, and a refused run writes nothing."""
-    run = RunDir(config.run_dir)
-    with run_lock(run.root):
+    run = RunDir(config.run_dir, mirror_of(config))
+    with run_lock(run.root, mirror=run.mirror):
         checked = checked if checked is not None else check_run(config, stages, force, plan_only)
         return _run_checked(run, config, checked, force, map_shards, plan_only, log, on_stage)
 
@@ -250,6 +262,8 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
                 run.update_stage(name, **info)
             if not (run.output_dir(stage.output) / CARD_FILE).exists():  # finished by an Atlas without cards
                 write_dataset_card(run.output_dir(stage.output), name)
+                if run.mirror is not None:
+                    run.mirror.push_tree(stage_folders(run, stage))
             report.skipped = True
             report.counters, report.num_shards = info.get("counters", {}), info.get("num_shards", 0)
             log(f"{name}: already done (hash {stage_hash[:12]}), nothing to do")
@@ -260,6 +274,8 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
         if manifest.get("config") != config_dict:  # `atlas stage` (SLURM tasks) runs with the manifest's config
             run.write_manifest(dict(manifest, config=config_dict))
         report.num_shards = stage.plan(run, stage_hash)
+        if run.mirror is not None:  # its plan files, which a run resumed on another machine reads
+            run.mirror.push_tree(stage_folders(run, stage))
         # The record is written whole (hash first of all): readers never see a stage without its hash.
         run.update_stage(name, hash=stage_hash, identity=item.identity, num_shards=report.num_shards,
                          status="planned" if plan_only else "running", output=stage.output, failed_shards=[],
@@ -302,6 +318,8 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
         atomic_write_json(run.stats_path(stage.output), {"stage": name, "counters": stats.to_dict()})
         write_dataset_card(run.output_dir(stage.output), name)  # so that datasets.load_dataset reads the folder
         run.mark_stage_done(stage.output, stage_hash)
+        if run.mirror is not None:  # and the plots it drew in RUN/report/
+            run.mirror.push_tree([*stage_folders(run, stage), run.root / layout.REPORT])
         report.counters, report.seconds = stats.to_dict(), seconds
         run.update_stage(name, status="done", counters=report.counters, shard_seconds=round(seconds, 3),
                          wall_seconds=round(time.time() - started, 3))

@@ -107,6 +107,33 @@ def prefect_harness():
         yield
 
 
+BUCKET = "atlas-test"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """An S3 server on loopback, and the AWS variables that point Atlas at it (as a MinIO user would set them);
+    yields an s3fs filesystem on it."""
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    no_config = tmp_path_factory.mktemp("aws") / "absent"  # a developer's ~/.aws must not change what is tested
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+                            "AWS_CONFIG_FILE": str(no_config), "AWS_SHARED_CREDENTIALS_FILE": str(no_config)}.items():
+            env.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            env.delenv(name, raising=False)
+        fs = fsspec.filesystem("s3", endpoint_url=f"http://{host}:{port}")
+        fs.makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across servers
+        yield fs
+    server.stop()
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path

@@ -23,9 +23,16 @@ def larger_input(tmp_path_factory, demo_records) -> Path:
                                                for r in demo_records])
 
 
+def _default_ctrl_c() -> None:
+    """A suite started in the background (`pytest &` in a script) ignores SIGINT, and children inherit that: Python
+    then never turns Ctrl-C into KeyboardInterrupt. The commands under test get a terminal's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def atlas(*args, **popen) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "atlas.cli", *map(str, args)], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_ctrl_c,
+                            **popen)
 
 
 def started_chunking(run_dir: Path, process: subprocess.Popen, shards: int = 1) -> bool:

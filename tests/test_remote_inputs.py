@@ -2,7 +2,7 @@
 in a local folder. A real S3 API (moto's server on loopback) and the real s3fs; the server starts once for the module.
 
 hf:// (Hugging Face Hub) cannot be reached offline. It takes the same generic fsspec code path as every other URL
-(``atlas.io.inputs._filesystem``: nothing in Atlas names a scheme but s3's extra and endpoint), which the memory://
+(``atlas.io.inputs.filesystem``: nothing in Atlas names a scheme but s3's extra and endpoint), which the memory://
 test below runs through without S3 at all.
 """
 
@@ -18,38 +18,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_config, write_jsonl
+from conftest import BUCKET, write_config, write_jsonl
 
 from atlas.cli import main
-from atlas.config import ConfigError, InputConfig, load_config
+from atlas.config import InputConfig
 from atlas.core.extras import MissingExtra
 from atlas.core.rundir import RunDir
 from atlas.io.inputs import Document, InputError, Reject, plan_shards, read_shard, url_fingerprint
-
-BUCKET = "atlas-test"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """An S3 server on loopback, and the AWS variables that point Atlas at it (as a MinIO user would set them);
-    yields an s3fs filesystem on it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    no_config = tmp_path_factory.mktemp("aws") / "absent"  # a developer's ~/.aws must not change what is tested
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                            "AWS_CONFIG_FILE": str(no_config), "AWS_SHARED_CREDENTIALS_FILE": str(no_config)}.items():
-            env.setenv(name, value)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-            env.delenv(name, raising=False)
-        fs = fsspec.filesystem("s3", endpoint_url=f"http://{host}:{port}")
-        fs.mkdir(BUCKET)
-        yield fs
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +157,7 @@ def test_unknown_scheme_missing_bucket_and_missing_package_are_named(s3, tmp_pat
         in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
     if importlib.util.find_spec("gcsfs") is None:  # a scheme fsspec knows, whose package is not installed
-        with pytest.raises(MissingExtra, match=r"^input gs://b/docs.jsonl: reading gs:// needs a package that is "
+        with pytest.raises(MissingExtra, match=r"^input.path gs://b/docs.jsonl: reading gs:// needs a package that is "
                                                r"not installed: Please install gcsfs"):
             plan_shards(InputConfig(path="gs://b/docs.jsonl"))
 
@@ -205,21 +180,16 @@ def test_any_fsspec_url_reads_through_the_same_code(corpus, tmp_path):
         memory.rm("/atlas-test", recursive=True)
 
 
-def test_a_run_dir_in_object_storage_is_refused_at_load(tmp_path, monkeypatch, capsys):
+def test_a_run_dir_url_never_becomes_a_local_folder_and_an_unknown_scheme_is_named(tmp_path, monkeypatch, capsys):
+    """`Path("s3://b/run")` would be a local folder "s3:/b/run"; a URL run works in the local copy under
+    $ATLAS_CACHE instead (tests/test_remote_run.py), and a scheme fsspec does not know is an error before any work."""
     monkeypatch.chdir(tmp_path)
-    expected = ("run_dir s3://bucket/runs/demo: run directories in object storage are not supported yet: run with a "
-                "local --run-dir and copy the finished run, e.g. with `aws s3 sync`")
-    config = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A sentence."}]),
-                          run_dir="s3://bucket/runs/demo")
-    with pytest.raises(ConfigError) as err:
-        load_config(config)
-    assert str(err.value) == expected
-    with pytest.raises(ConfigError) as err:
-        load_config(write_config(tmp_path, tmp_path / "docs.jsonl"), run_dir="s3://bucket/runs/demo")
-    assert str(err.value) == expected
-    assert main(["run", str(config), "--inline", "--stages", "chunk", "--run-dir", "s3://bucket/runs/demo"]) == 2
-    assert f"error: {expected}" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "docs.jsonl"]  # no local folder "s3:"
+    monkeypatch.setenv("ATLAS_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", [{"id": "a", "text": "A sentence."}]))
+    assert main(["run", str(config), "--inline", "--stages", "chunk", "--run-dir", "foo://bucket/runs/demo"]) == 1
+    assert ("error: foo://bucket/runs/demo: unknown URL scheme 'foo://'; run_dir is a local path, or a URL of a "
+            "scheme fsspec knows: ") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "docs.jsonl"]  # no "foo:", no local copy
 
 
 def test_remote_reading_keeps_a_gz_stream_from_its_start(corpus, tmp_path):

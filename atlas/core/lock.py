@@ -60,17 +60,18 @@ def _read(path: Path) -> dict | None:
     return holder if isinstance(holder, dict) else {}
 
 
-def _is_stale(holder: dict) -> bool:
+def is_stale(holder: dict) -> bool:
     pid = holder.get("pid")
     return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid)
 
 
-def _locked_message(root: Path, holder: dict) -> str:
+def locked_message(root: str | Path, holder: dict) -> str:
+    """Who holds the lock of ``root`` (a folder or a URL) and what to do."""
     who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
            if holder else "its lock file is unreadable")
     command = f": {holder['command']}" if holder.get("command") else ""
     return (f"{root} is in use by another atlas run ({who}{command}); wait for it or, if that process is gone, "
-            f"remove {root / LOCK_NAME}")
+            f"remove {root}/{LOCK_NAME}")
 
 
 def _break_stale(path: Path, holder: dict) -> None:
@@ -101,20 +102,23 @@ def _acquire(root: Path, path: Path, command: str) -> dict:
                 holder = _read(path)
                 if holder is None:
                     continue
-                if not _is_stale(holder):
-                    raise RunLocked(_locked_message(root, holder)) from None
+                if not is_stale(holder):
+                    raise RunLocked(locked_message(root, holder)) from None
                 log.warning("note: %s was left by pid %s on this host, which is no longer running (killed?); "
                             "taking it over", path, holder["pid"])
                 _break_stale(path, holder)
-        raise RunLocked(_locked_message(root, _read(path) or {}))
+        raise RunLocked(locked_message(root, _read(path) or {}))
     finally:
         tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def run_lock(root: str | Path, command: str | None = None) -> Iterator[None]:
+def run_lock(root: str | Path, command: str | None = None, mirror=None) -> Iterator[None]:
     """Hold ``RUN/_lock`` for the ``with`` block (released on exceptions and Ctrl-C too); ``RunLocked`` when another
-    live process holds it. A run directory this creates is removed again if nothing was written into it."""
+    live process holds it. A run directory this creates is removed again if nothing was written into it.
+
+    ``mirror``: for a run kept in object storage (``atlas.io.remote_run.RunMirror``), whose lock in the bucket is
+    held too, and whose local copy is brought up to date once both locks are held."""
     root = Path(root).resolve()
     path = root / LOCK_NAME
     if _HELD.get(path) == os.getpid():  # already ours (`atlas run` around run_stages): the outer block releases it
@@ -126,7 +130,8 @@ def run_lock(root: str | Path, command: str | None = None) -> Iterator[None]:
         mine = _acquire(root, path, command or shlex.join(sys.argv))
         _HELD[path] = os.getpid()
         try:
-            yield
+            with mirror.hold(mine) if mirror is not None else contextlib.nullcontext():
+                yield
         finally:
             del _HELD[path]
             if _read(path) == mine:

@@ -14,6 +14,10 @@ Everything that is not a data part starts with "_", so ``pandas.read_parquet("RU
 
 Only the driver process writes the manifest; shard workers write their own part, rejects and
 marker, so workers never race on a shared file.
+
+A run kept in object storage (``run_dir: s3://...``) is this same layout in a local copy, with a ``mirror``
+(``atlas.io.remote_run.RunMirror``) that the runner pushes finished shards and stages through; the manifest and
+``--force`` clears reach the bucket from here.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ def _worker() -> dict:
 
 
 class RunDir:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, mirror=None):
         self.root = Path(root)
+        self.mirror = mirror  # a RunMirror for a run kept in object storage, else None
 
     # --- paths ------------------------------------------------------------------------------
     @property
@@ -146,6 +151,8 @@ class RunDir:
         path = self.output_dir(output)
         if path.exists():
             shutil.rmtree(path)
+        if self.mirror is not None:
+            self.mirror.remove(path)
 
     # --- manifest -----------------------------------------------------------------------------
     def read_manifest(self) -> dict:
@@ -156,6 +163,8 @@ class RunDir:
     def write_manifest(self, manifest: dict) -> None:
         manifest = dict(manifest, packages=package_versions(), updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         atomic_write_json(self.manifest_path, manifest)
+        if self.mirror is not None:
+            self.mirror.push([self.manifest_path])
 
     def update_stage(self, stage: str, **fields) -> None:
         """Update a stage's record; a new record is written whole (with its hash), never half."""

@@ -146,28 +146,28 @@ CONTENT_TAGS = ("ETag", "etag", "md5Hash", "crc32c", "blob_id", "Content-MD5", "
 VERSION_TAGS = ("VersionId", "generation", "LastModified", "last_modified", "updated", "mtime")
 
 
-def _filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem that reads ``url``, and the path within it."""
+def filesystem(url: str, what: str = "input.path") -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem that reads ``url``, and the path within it. ``what``: the setting that named it."""
     scheme = url.split("://", 1)[0]
     options = {}
     if scheme in ("s3", "s3a"):
-        require(["s3"], f"input {url}")
+        require(["s3"], f"{what} {url}")
         # S3-compatible stores (MinIO, Ceph, R2): botocore reads these variables itself since 2023, older versions not
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint and os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() != "true":
             options["endpoint_url"] = endpoint
     if scheme not in fsspec.available_protocols():
-        raise InputError(f"{url}: unknown URL scheme '{scheme}://'; input.path is a local path, or a URL of a scheme "
+        raise InputError(f"{url}: unknown URL scheme '{scheme}://'; {what} is a local path, or a URL of a scheme "
                          f"fsspec knows: {', '.join(sorted(fsspec.available_protocols()))}")
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as e:  # fsspec knows the scheme, but the package that implements it is not installed
-        raise MissingExtra(f"input {url}: reading {scheme}:// needs a package that is not installed: {e}") from None
+        raise MissingExtra(f"{what} {url}: reading {scheme}:// needs a package that is not installed: {e}") from None
 
 
 def _list_url(url: str, cfg: InputConfig) -> list[str]:
     """The input files of a URL (a folder, a file or a glob) as URLs, in the order the same local files would have."""
-    fs, root = _filesystem(url)
+    fs, root = filesystem(url)
     fs.invalidate_cache()  # a listing cached by an earlier run in this process would hide a changed file
     try:
         folder = fs.isdir(root)
@@ -197,14 +197,14 @@ def _open_binary(path: str, **options):
     """A local file opened with plain ``open``; a URL through fsspec (its files seek). ``options``: fsspec's."""
     if not is_url(path):
         return open(path, "rb")
-    fs, inner = _filesystem(path)
+    fs, inner = filesystem(path)
     return fs.open(inner, "rb", **options)
 
 
 def _read_bytes(path: str) -> bytes:
     if not is_url(path):
         return Path(path).read_bytes()
-    fs, inner = _filesystem(path)
+    fs, inner = filesystem(path)
     return fs.cat_file(inner)
 
 
@@ -212,7 +212,7 @@ def url_fingerprint(url: str) -> dict:
     """Identity of a remote input file, for the chunk stage's hash, without reading it: its size and the checksum,
     ETag, version or modification time that its store gives (see CONTENT_TAGS); a store that gives none has the
     file's bytes hashed, as a local file's are."""
-    fs, inner = _filesystem(url)
+    fs, inner = filesystem(url)
     info = fs.info(inner)
     for key in (*CONTENT_TAGS, *VERSION_TAGS):
         if info.get(key):
@@ -401,7 +401,7 @@ def _scan_jsonl(path: str, cfg: InputConfig, file_index: int, ids: _IdSpill | No
 def _text_root(path: str, files: list[str]) -> str:
     """The folder that a text input's document ids are relative to: the input folder, or the first file's."""
     if is_url(path):
-        fs, inner = _filesystem(path)
+        fs, inner = filesystem(path)
         return fs.unstrip_protocol(inner) if fs.isdir(inner) else files[0].rsplit("/", 1)[0]
     return str(Path(path)) if Path(path).is_dir() else str(Path(files[0]).parent)
 

@@ -399,9 +399,12 @@ def write_html_report(run_root) -> Path:
     return path
 
 
-def refresh_report(run_root) -> None:
-    """Rewrite the report after a run or a training; a failure only warns, it never fails the run."""
+def refresh_report(run_root, mirror=None) -> None:
+    """Rewrite the report after a run or a training; a failure only warns, it never fails the run. ``mirror``: the
+    run's ``RunMirror`` when it is kept in object storage, where the report goes too."""
     try:
         log.info("report: %s", write_html_report(run_root))
+        if mirror is not None:
+            mirror.push_tree([Path(run_root) / layout.REPORT])
     except Exception as e:  # noqa: BLE001 - the report is a convenience, the run's outputs are what matter
         log.warning("warning: could not write the run report: %s: %s", type(e).__name__, e)
