@@ -405,7 +405,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
         where = str(input) if is_url(input) else str(Path(input).resolve())
         apply_override(data, f"input.path={json.dumps(where)}")
     if run_dir is not None:
-        where = str(run_dir) if is_url(run_dir) else str(Path(run_dir).resolve())  # a URL is refused below
+        where = str(run_dir) if is_url(run_dir) else str(Path(run_dir).resolve())  # a URL is kept as it is
         apply_override(data, f"run_dir={json.dumps(where)}")
     if data.get("run_url") is not None:
         raise ConfigError(f"{source}: run_url is set by Atlas; write the URL as run_dir (run_dir: s3://bucket/runs/x)")
