@@ -12,7 +12,10 @@ overrides), one with ``concepts=true`` and one with ``concepts=false`` (the base
   alignment proxy (``atlas.cblm.metrics``);
 - the largest attribution error on the held-out windows: |sum of the decomposition terms - the model's logit| over
   every position and vocabulary entry checked, and |logit change when a concept is zeroed + its term|;
-- a steering example: text before and after, and the frequency of the concept's lifted tokens in the generations.
+- a steering example: text before and after, and the frequency of the concept's lifted tokens in the generations;
+- the steering evaluation (``atlas.cblm.steering_eval``): random concepts, several prompts, lifted-word frequency
+  steered / unsteered / suppressed, the baseline's perplexity of the continuations, and the harmonic of the concept
+  and quality scores (Eq. 30), at each ``--strengths`` tau.
 
 Models go to RUN/cblm/bench-<objective>-{concepts,baseline}; a rerun resumes or reuses them (``--fresh`` retrains).
 ``--json`` writes the comparisons as result rows (val loss, training seconds, lifted-token frequency steered vs
@@ -35,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _results import add_json_option, row, write_json  # noqa: E402
 
 from atlas.cblm import checkpoint  # noqa: E402
-from atlas.cblm.data import TokenData  # noqa: E402
+from atlas.cblm.data import TokenData, lifted_tokens  # noqa: E402
 from atlas.cblm.generate import Codec, steering_effect  # noqa: E402
-from atlas.cblm.metrics import lifted_tokens  # noqa: E402
 from atlas.cblm.model import decompose  # noqa: E402
+from atlas.cblm.steering_eval import evaluate_steering, format_steering  # noqa: E402
 from atlas.cblm.train import TrainConfig, train  # noqa: E402
 
 PRESETS = {
@@ -87,6 +90,7 @@ def main() -> None:
     parser.add_argument("--steer", default="geometry problem", help="concept name for the steering example")
     parser.add_argument("--strengths", default="2,4,8", help="steering strengths tau to try (comma-separated)")
     parser.add_argument("--prompt", action="append", default=None, help="steering prompts (repeatable)")
+    parser.add_argument("--steer-concepts", type=int, default=24, help="random concepts in the steering evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete earlier bench models first")
     add_json_option(parser)
     parser.add_argument("--details", metavar="PATH", help="also write every result (metrics, steering texts) here")
@@ -112,12 +116,16 @@ def main() -> None:
 
     from atlas.cblm.cli import _concept_names, find_concept
 
-    concept_id = find_concept(_concept_names(Path(args.run)), args.steer)
+    names = _concept_names(Path(args.run))
+    concept_id = find_concept(names, args.steer)
     prompts = args.prompt or ["The", "In this article we", "Here is how"]
     lifted = lifted_tokens(data, top=200, min_support=20)[concept_id]  # a word set large enough to count in 48 tokens
-    results["steering"] = [steering_effect(model, Codec(state["vocab"]), concept_id, float(tau), prompts, lifted,
-                                           max_new_tokens=48, samples=8, temperature=0.8)
-                           for tau in args.strengths.split(",")]
+    strengths = [float(tau) for tau in args.strengths.split(",")]
+    results["steering"] = [steering_effect(model, Codec(state["vocab"]), concept_id, tau, prompts, lifted,
+                                           max_new_tokens=48, samples=8, temperature=0.8) for tau in strengths]
+    reference, _ = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-baseline", args.device)
+    results["steering_eval"] = evaluate_steering(model, data, state["vocab"], strengths, reference=reference,
+                                                 n_concepts=args.steer_concepts)
 
     print("\n| model | params | val loss | seconds |\n|---|---:|---:|---:|")
     for variant in ("baseline", "concepts"):
@@ -126,9 +134,16 @@ def main() -> None:
     print(f"\nval loss gap (concepts / baseline - 1): {concept['val_loss'] / baseline['val_loss'] - 1:+.2%}")
     for key in ("concept_loss", "independence", "contribution", "contribution_known", "detection_auc",
                 "alignment_overlap", "alignment_overlap_random_concept", "alignment_overlap_centered",
-                "alignment_overlap_centered_random_concept"):
+                "alignment_overlap_centered_random_concept", "norm_known_emb", "norm_h", "norm_k_hat", "norm_u_hat",
+                "norm_eps"):
         if key in concept:
             print(f"{key}: {concept[key]:.4f}")
+    if "alignment_overlap" in concept:
+        print(f"alignment proxy vs chance (a random other concept's lifted tokens): {concept['alignment_overlap']:.4f}"
+              f" vs {concept['alignment_overlap_random_concept']:.4f} "
+              f"({concept['alignment_overlap'] / max(concept['alignment_overlap_random_concept'], 1e-9):.1f}x)")
+    print("known share of the concept contribution: "
+          f"{concept['contribution_known'] / max(concept['contribution'], 1e-9):.3f}")
     print(json.dumps(results["attribution"]))
     print(f"\nsteering {args.steer!r} (concept {concept_id}), "
           f"top lifted tokens {results['steering'][0]['lifted_tokens'][:20]}")
@@ -136,6 +151,11 @@ def main() -> None:
         print(f"tau {s['strength']:g} (gamma {s['gamma']:.2f}, layers >= {s['layer']}): lifted-token frequency "
               f"{s['lifted_frequency_before']:.4f} -> {s['lifted_frequency_after']:.4f}")
         print(f"--- before ---\n{s['text_before']}\n--- after ---\n{s['text_after']}")
+    print()
+    print(format_steering(results["steering_eval"]))
+    for row_ in results["steering_eval"]["strengths"][0]["per_concept"][:3]:
+        print(f"--- {names[row_['concept']]!r} unsteered ---\n{row_['text_unsteered']}\n--- steered (tau "
+              f"{strengths[0]:g}) ---\n{row_['text_steered']}")
     if args.details:
         Path(args.details).write_text(json.dumps(results, indent=2, default=str))
     setting = f"{args.objective}, preset {args.preset}"

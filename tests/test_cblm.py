@@ -13,19 +13,22 @@ import torch
 from safetensors.torch import load_file
 
 from atlas.cblm import checkpoint
-from atlas.cblm.data import TokenData
+from atlas.cblm.data import SteeringData, TokenData
 from atlas.cblm.generate import Codec, generate, steering_for
 from atlas.cblm.losses import (
     chunk_probabilities,
     compute,
+    compute_steering,
     concept_loss,
+    express_loss,
     independence_loss,
     lm_loss,
     mask_blocks,
     reconstruction_loss,
+    respond_loss,
 )
-from atlas.cblm.model import CBLM, ModelConfig, block_causal_mask
-from atlas.cblm.train import TrainConfig, alphas_at, lr_at, train
+from atlas.cblm.model import CBLM, ModelConfig, Steering, block_causal_mask, injection_layer, steering_directions
+from atlas.cblm.train import TrainConfig, alphas_at, in_steering_phase, lr_at, steering_phases, train
 from atlas.io.tokens import INDEX_SCHEMA
 from atlas.models.tokenizer import BOS, EOC, MASK, cl100k
 from atlas.stages.tokenize import chunk_stream
@@ -186,6 +189,79 @@ def test_reconstruction_and_independence_reach_only_the_unknown_head():
     assert with_grad and all(name.startswith("concepts.unknown") for name in with_grad), with_grad
 
 
+def test_steering_losses_by_hand():
+    # three positions, two concepts; position 0 is not injected, 1 is attributed to concept 0, 2 to concept 1
+    concept_at = torch.tensor([[-1, 0, 1]])
+    known_logits = torch.tensor([[[0.0, 0.0], [2.0, -1.0], [0.5, -3.0]]])
+    expected = (np.log1p(np.exp(-2.0)) + np.log1p(np.exp(3.0))) / 2  # -log sigmoid(2), -log sigmoid(-3)
+    assert float(respond_loss(known_logits, concept_at)) == pytest.approx(expected, rel=1e-6)
+
+    logits = torch.tensor([[[9.0, 9.0, 9.0, 9.0], [1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0]]])
+    lifted_ids = torch.tensor([[0, 1], [2, -1]])  # T_0 = {0, 1}; T_1 = {2} (padded)
+    e = np.e
+    mass_1 = (e + e ** 2) / (e + e ** 2 + 2)
+    mass_2 = e ** 3 / (1 + 1 + e ** 3 + e)
+    expected = -(np.log(mass_1) + np.log(mass_2)) / 2
+    assert float(express_loss(logits, concept_at, lifted_ids)) == pytest.approx(expected, rel=1e-6)
+    # no injected position: zero, and still part of the graph
+    none = torch.full_like(concept_at, -1)
+    assert float(respond_loss(known_logits, none)) == 0 and float(express_loss(logits, none, lifted_ids)) == 0
+
+
+def test_token_level_steering_data_attributes_lifted_tokens_of_the_chunks_concepts(tiny_run):
+    data = TokenData(tiny_run, seq_len=16)
+    steering = SteeringData(data, top=16, min_support=2)  # a topic sentence's tokens share the top lift
+    assert steering.lifted_ids.shape == (N_CONCEPTS, 16) and steering.supported == N_CONCEPTS
+    # " river" is lifted for "rivers" (2) and never for "triangles" (0)
+    river = data.model_id(cl100k().encode_ordinary(" river")[0])
+    assert river in steering.lifted_ids[2].tolist() and river not in steering.lifted_ids[0].tolist()
+    tokens = torch.tensor([[river, river, river]])
+    labels = torch.zeros(1, 3, N_CONCEPTS)
+    labels[0, 0, 2] = 1  # a "rivers" chunk
+    labels[0, 1, 0] = 1  # a "triangles" chunk
+    assert steering.concepts_at(tokens, labels).tolist() == [[2, -1, -1]]
+
+
+def test_steering_step_injects_only_attributed_positions_and_trains_k(tiny_run):
+    data = TokenData(tiny_run, seq_len=16)
+    steering = SteeringData(data, top=5, min_support=2)
+    torch.manual_seed(0)
+    model = CBLM(TrainConfig.from_overrides(str(tiny_run), TINY).model_config(data)).train()
+    batch = data.batch(data.train_windows[:4])
+    total, losses, concept_at = compute_steering(model, batch, steering, tau=4.0)
+    assert (concept_at >= 0).any() and (concept_at < 0).any()
+    assert set(losses) == {"lm", "respond", "express"}
+    total.backward()
+    assert model.concepts.known_emb.grad.abs().sum() > 0  # the injected vector is made of K
+    assert model.concepts.known_head.weight.grad.abs().sum() > 0  # L_respond reaches the known head
+    # positions not attributed to a concept read exactly what they read without steering (AR: only later positions
+    # could see an injection, and the first injected position is the first that changes)
+    model.eval()
+    first = int((concept_at[0] >= 0).nonzero()[0, 0])
+    injected, _, peak = steering_directions(model)
+    c = concept_at[0].clamp_min(0)
+    vectors = (4.0 / peak)[c, None] * injected[c]
+    steer = Steering(direction=vectors[None], gamma=1.0, layer=injection_layer(model.config),
+                     positions=concept_at[:1] >= 0)
+    plain, steered = model(batch.tokens[:1, :16])[0], model(batch.tokens[:1, :16], steer=steer)[0]
+    assert torch.allclose(plain[0, :first], steered[0, :first])
+    assert not torch.allclose(plain[0, first], steered[0, first])
+
+
+def test_steering_phases_are_front_loaded_inside_the_stable_phase():
+    config = TrainConfig(max_steps=1000, steering=True, steering_phases=4, steering_phase_frac=0.05,
+                         alpha_warm_frac=0.1, decay_frac=0.2)
+    phases = steering_phases(config)
+    assert len(phases) == 4 and phases[0][0] == 100 and phases[-1][1] <= 800
+    assert all(end - start == 50 for start, end in phases)
+    gaps = [b[0] - a[1] for a, b in zip(phases, phases[1:])]
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1]  # front-loaded
+    assert in_steering_phase(100, phases) and not in_steering_phase(99, phases)
+    assert steering_phases(TrainConfig(max_steps=1000)) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        steering_phases(TrainConfig(max_steps=100, steering=True, steering_phase_frac=0.9))
+
+
 def test_per_block_masking():
     torch.manual_seed(0)
     tokens = torch.arange(4000).reshape(1, 4000) % 40
@@ -244,9 +320,18 @@ def test_schedules():
 
 # --- training, resume, generation, CLI -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("objective", ["ar", "diffusion"])
-def test_resume_gives_the_same_weights(tiny_run, objective):
+@pytest.mark.parametrize("objective,steering", [("ar", False), ("diffusion", False), ("ar", True),
+                                                 ("diffusion", True)])
+def test_resume_gives_the_same_weights(tiny_run, objective, steering):
+    """Killed after a checkpoint and resumed, twice, a run reaches the uninterrupted run's weights; with steering
+    phases the kills land before, inside and after the phases (steps 2, 4 of 12; phases at 3-4, 5-6, 7-8)."""
     settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=6", "checkpoint_every=2", "eval_every=3"]
+    if steering:
+        settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=12", "checkpoint_every=2",
+                           "eval_every=3", "steering=true", "steering_phases=3", "steering_phase_frac=0.17",
+                           "alpha_warm_frac=0.25", "decay_frac=0.25", "steering_lifted=5"]
+        assert steering_phases(TrainConfig.from_overrides(str(tiny_run), settings))[0][0] == 3
+    objective = f"{objective}{'-steer' if steering else ''}"
     whole = TrainConfig.from_overrides(str(tiny_run), settings + [f"name=whole-{objective}"])
     metrics = train(whole, log=lambda msg: None)
     parts = TrainConfig.from_overrides(str(tiny_run), settings + [f"name=parts-{objective}"])

@@ -131,8 +131,7 @@ def cmd_generate(args) -> int:
     if args.compare:
         if concept is None:
             raise SystemExit("error: --compare needs --steer")
-        from atlas.cblm.data import TokenData
-        from atlas.cblm.metrics import lifted_tokens
+        from atlas.cblm.data import TokenData, lifted_tokens
 
         config = state["train_config"]
         data = TokenData(_run_dir(args.model, state), config["seq_len"], config["val_fraction"],

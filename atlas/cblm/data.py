@@ -88,6 +88,12 @@ class TokenData:
         self.concept_ptr = np.cumsum([0] + [len(c) for c in concept_lists])
         self.concept_ids = np.asarray([c for cs in concept_lists for c in cs], dtype=np.int64)
 
+    def log_unigram(self, smoothing: float = 0.5) -> torch.Tensor:
+        """[vocab] log frequency of each token in the training windows (add-``smoothing`` counts)."""
+        counts = np.bincount(self.windows[self.train_windows].reshape(-1).numpy(), minlength=self.vocab_size)
+        counts = counts.astype(np.float64) + smoothing
+        return torch.from_numpy(np.log(counts / counts.sum())).float()
+
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
@@ -120,3 +126,71 @@ class TokenData:
             ids.extend(order[start:start + batch_size - len(ids)].tolist())
             epoch += 1
         return self.train_windows[np.asarray(ids)]
+
+
+def lifted_tokens(data: TokenData, top: int = 20, min_support: int = 5, with_lift: bool = False) -> list:
+    """Per concept, the model-vocabulary ids of its ``top`` tokens by lift P(token | c) / P(token), over the
+    training windows' tokens (a token needs ``min_support`` occurrences in the concept's chunks; special tokens are
+    left out): the lifted set T_c of paper 4.4 and 10.2.4. Concepts with no chunk get an empty array.
+    ``with_lift``: (ids, lifts) pairs instead of ids."""
+    from scipy import sparse
+
+    tokens = data.windows[data.train_windows, :-1].reshape(-1).numpy()
+    rows = data.chunk_rows[data.train_windows, :-1].reshape(-1).numpy()
+    n_chunks, vocab = len(data.concept_ptr) - 1, data.vocab_size
+    chunk_tokens = sparse.csr_matrix((np.ones(len(tokens), dtype=np.float32), (rows, tokens)), shape=(n_chunks, vocab))
+    chunk_concepts = sparse.csr_matrix((np.ones(len(data.concept_ids), dtype=np.float32), data.concept_ids,
+                                        data.concept_ptr), shape=(n_chunks, data.n_concepts))
+    concept_tokens = (chunk_concepts.T @ chunk_tokens).tocsr()  # [n, vocab] token counts in each concept's chunks
+    overall = np.asarray(chunk_tokens.sum(0)).ravel()
+    p_token = overall / max(overall.sum(), 1.0)
+    special = np.searchsorted(data.vocab, np.asarray(SPECIAL_IDS))
+    lifted = []
+    for c in range(data.n_concepts):
+        row = concept_tokens.getrow(c)
+        ids, counts = row.indices, row.data
+        keep = (counts >= min_support) & ~np.isin(ids, special)
+        ids, counts = ids[keep], counts[keep]
+        if len(ids) == 0:
+            lifted.append((np.zeros(0, dtype=np.int64), np.zeros(0)) if with_lift else np.zeros(0, dtype=np.int64))
+            continue
+        lift = (counts / counts.sum()) / p_token[ids]
+        order = np.argsort(-lift, kind="stable")[:top]
+        best = ids[order].astype(np.int64)
+        lifted.append((best, lift[order]) if with_lift else best)
+    return lifted
+
+
+class SteeringData:
+    """Token-level concept data for steering training (paper 10.2.4: "each token is tagged only with the concepts
+    attributed to it"; how the paper made its 400M tokens is not said). Our choice: a predicted token is attributed
+    to concept c when it belongs to c's lifted set T_c (its ``top`` most lifted tokens) and its chunk is annotated
+    with c; when several of the chunk's concepts claim it, the one in whose T_c it has the highest lift.
+
+    ``lifted_ids`` [n, top] holds each T_c (padded with -1) for the L_express softmax mass."""
+
+    def __init__(self, data: TokenData, top: int = 50, min_support: int = 5):
+        from scipy import sparse
+
+        self.top = top
+        lifted = lifted_tokens(data, top, min_support, with_lift=True)
+        self.lifted_ids = torch.full((data.n_concepts, top), -1, dtype=torch.int64)
+        rows, cols, lifts = [], [], []
+        for c, (ids, lift) in enumerate(lifted):
+            self.lifted_ids[c, :len(ids)] = torch.from_numpy(ids)
+            rows.append(ids)
+            cols.append(np.full(len(ids), c))
+            lifts.append(lift)
+        # token-major [vocab, n]: the lift of each (token, concept) pair with the token in T_c, else 0
+        self.lift = sparse.csr_matrix((np.concatenate(lifts).astype(np.float32),
+                                       (np.concatenate(rows), np.concatenate(cols))),
+                                      shape=(data.vocab_size, data.n_concepts))
+        self.supported = int(sum(len(ids) > 0 for ids, _ in lifted))
+
+    def concepts_at(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[B, T] concept attributed to each predicted token ``tokens`` [B, T] whose chunk concepts are ``labels``
+        [B, T, n] (multi-hot), or -1 where none is."""
+        lift = torch.from_numpy(self.lift[tokens.reshape(-1).cpu().numpy()].toarray()).view(*tokens.shape, -1)
+        score = lift.to(labels.device) * labels
+        best, concept = score.max(-1)
+        return torch.where(best > 0, concept, torch.full_like(concept, -1))

@@ -22,26 +22,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from atlas.cblm.model import CBLM, Steering
+from atlas.cblm.model import CBLM, Steering, injection_layer, steering_directions
 from atlas.models.tokenizer import BOS, cl100k
 
 
 def steering_for(model: CBLM, concepts: list[int], strength: float, layer: int | None = None) -> Steering:
-    """The steering of ``concepts`` (known-concept indices) at strength tau = ``strength``."""
+    """The steering of ``concepts`` (known-concept indices) at strength tau = ``strength``, injected from ``layer``
+    (default: the model's trained injection layer). For one concept this is exactly what steering training injects
+    (``model.steering_directions``); several concepts steer along the normalized sum of their directions."""
     if model.concepts is None:
         raise ValueError("this model has no concept module (a baseline): it cannot be steered by concept")
     with torch.no_grad():
-        # Relative to the mean concept embedding: the K_c share a common component (what any text's h has in
-        # common); along it, steering promotes generic tokens (seen on the dev corpus: "the number of the number").
-        known = model.concepts.known_emb
-        embeddings = known[concepts] - known.mean(0)
-        direction = F.normalize(F.normalize(embeddings, dim=-1).sum(0), dim=0)  # e_c, in the space of h
+        _, e, _ = steering_directions(model)
+        direction = F.normalize(e[concepts].sum(0), dim=0)  # e_c, in the space of h
         peak = float((model.tok_emb.weight @ direction).max())
-        # The injection happens before the final RMSNorm, which scales coordinate i of h by its learned weight w_i:
-        # adding w * e_c to the residual stream moves h by ~ w^2 * e_c, which always has a positive inner product
-        # with e_c, whatever the signs and sizes of w.
         injected = F.normalize(model.norm.weight * direction, dim=0)
-    layer = model.config.n_layer // 2 if layer is None else layer
+    layer = injection_layer(model.config) if layer is None else layer
     return Steering(direction=injected, gamma=strength / peak, layer=layer,
                     suppress=abs(strength) / peak if strength < 0 else 0.0, logit_direction=direction)
 

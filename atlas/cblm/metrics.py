@@ -10,6 +10,8 @@ teacher forcing off and dropout off, on the held-out windows:
   term's share alone;
 - ``detection_auc``: ROC AUC of the chunk-level concept probabilities against the chunks' annotated concepts,
   macro-averaged over the concepts with positives and negatives among the held-out chunks;
+- ``norm_*``: mean L2 norms of the known concept embeddings K_c and, per position, of h, k_hat, u_hat and eps: how
+  large each part of h_bar is (the known share cannot be large while k_hat is small next to h);
 - ``alignment_overlap`` (``alignment=True``): an offline proxy for Known Concept Alignment: the share of the 20 tokens
   with the largest W K_c that are among the concept's 20 most lifted tokens (lift = P(token | chunk has c) /
   P(token), from the training windows), next to the same overlap with a random other concept's lifted tokens; and
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from atlas.cblm.data import SPECIAL_IDS, TokenData
+from atlas.cblm.data import SPECIAL_IDS, TokenData, lifted_tokens
 from atlas.cblm.losses import chunk_probabilities, compute, concept_loss
 
 
@@ -34,7 +36,7 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
     starts = list(range(0, len(windows), batch_size))[: batches if batches else None]
     lm_sum = lm_count = 0.0
     concept_sum = indep_sum = contribution_sum = known_sum = contribution_count = 0.0
-    probabilities, labels = [], []
+    probabilities, labels, norms, positions = [], [], {}, 0
     for start in starts:
         batch = data.batch(windows[start:start + batch_size]).to(device)
         _, losses, extras = compute(model, batch, generator=generator)
@@ -45,7 +47,9 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         parts = extras["parts"]
         if parts is None:
             continue
-        concept_sum += float(concept_loss(parts.known_logits, extras["rows"], extras["labels"]))
+        aggregation = model.config.concept_aggregation
+        concept_sum += float(concept_loss(parts.known_logits, extras["rows"], extras["labels"],
+                                          aggregation=aggregation))
         indep_sum += float(losses["indep"])
         w_y = model.tok_emb.weight[extras["targets"]]
         known, unknown, residual = ((x * w_y).sum(-1).abs() for x in (parts.k_hat, parts.u_hat, parts.eps))
@@ -53,10 +57,14 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         share, known_share = (known + unknown) / total, known / total
         if scored is not None:
             share, known_share = share[scored], known_share[scored]
+        for name, x in (("h", parts.h), ("k_hat", parts.k_hat), ("u_hat", parts.u_hat), ("eps", parts.eps)):
+            norms[name] = norms.get(name, 0.0) + float(x.norm(dim=-1).sum())
         contribution_sum += float(share.sum())
         known_sum += float(known_share.sum())
         contribution_count += share.numel()
-        probabilities.append(chunk_probabilities(parts.known_logits, extras["rows"], len(extras["labels"])).cpu())
+        positions += parts.h.shape[0] * parts.h.shape[1]
+        probabilities.append(chunk_probabilities(parts.known_logits, extras["rows"], len(extras["labels"]),
+                                                 aggregation).cpu())
         labels.append(extras["labels"].cpu())
 
     metrics = {"val_loss": lm_sum / max(lm_count, 1.0), "val_tokens": int(lm_count)}
@@ -65,7 +73,9 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         metrics.update(concept_loss=concept_sum / n_batches, independence=indep_sum / n_batches,
                        contribution=contribution_sum / max(contribution_count, 1.0),
                        contribution_known=known_sum / max(contribution_count, 1.0),
-                       detection_auc=detection_auc(torch.cat(probabilities).numpy(), torch.cat(labels).numpy()))
+                       detection_auc=detection_auc(torch.cat(probabilities).numpy(), torch.cat(labels).numpy()),
+                       norm_known_emb=float(model.concepts.known_emb.norm(dim=-1).mean()),
+                       **{f"norm_{name}": total / positions for name, total in norms.items()})
         if alignment:
             metrics.update(alignment_proxy(model, data))
     return metrics
@@ -80,36 +90,6 @@ def detection_auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
     if len(usable) == 0:
         return float("nan")
     return float(np.mean([roc_auc_score(labels[:, c], probabilities[:, c]) for c in usable]))
-
-
-def lifted_tokens(data: TokenData, top: int = 20, min_support: int = 5) -> list[np.ndarray]:
-    """Per concept, the model-vocabulary ids of its ``top`` tokens by lift P(token | c) / P(token), over the
-    training windows' tokens (a token needs ``min_support`` occurrences in the concept's chunks; special tokens are
-    left out). Concepts with no chunk get an empty array."""
-    from scipy import sparse
-
-    tokens = data.windows[data.train_windows, :-1].reshape(-1).numpy()
-    rows = data.chunk_rows[data.train_windows, :-1].reshape(-1).numpy()
-    n_chunks, vocab = len(data.concept_ptr) - 1, data.vocab_size
-    chunk_tokens = sparse.csr_matrix((np.ones(len(tokens), dtype=np.float32), (rows, tokens)), shape=(n_chunks, vocab))
-    chunk_concepts = sparse.csr_matrix((np.ones(len(data.concept_ids), dtype=np.float32), data.concept_ids,
-                                        data.concept_ptr), shape=(n_chunks, data.n_concepts))
-    concept_tokens = (chunk_concepts.T @ chunk_tokens).tocsr()  # [n, vocab] token counts in each concept's chunks
-    overall = np.asarray(chunk_tokens.sum(0)).ravel()
-    p_token = overall / max(overall.sum(), 1.0)
-    special = np.searchsorted(data.vocab, np.asarray(SPECIAL_IDS))
-    lifted = []
-    for c in range(data.n_concepts):
-        row = concept_tokens.getrow(c)
-        ids, counts = row.indices, row.data
-        keep = (counts >= min_support) & ~np.isin(ids, special)
-        ids, counts = ids[keep], counts[keep]
-        if len(ids) == 0:
-            lifted.append(np.zeros(0, dtype=np.int64))
-            continue
-        lift = (counts / counts.sum()) / p_token[ids]
-        lifted.append(ids[np.argsort(-lift, kind="stable")[:top]].astype(np.int64))
-    return lifted
 
 
 @torch.no_grad()

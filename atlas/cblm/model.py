@@ -51,6 +51,8 @@ class ModelConfig:
     topk_unknown: int = 0
     p_eps: float = 0.3  # dropout on the residual eps while training
     p_known_drop: float = 0.1  # paper's p_cfg: probability a position's known part k_hat is dropped while training
+    steer_layer: int = -1  # L_inj, the first layer steering injects after (-1: n_layer // 2)
+    concept_aggregation: str = "or"  # the concept loss: "or" (paper Eq. 9-10) or "token" (see losses.concept_loss)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -230,14 +232,38 @@ class ConceptModule(nn.Module):
 @dataclass
 class Steering:
     """Paper 6.2: add ``gamma * direction`` to the hidden state after every layer >= ``layer`` (at ``positions``,
-    default all), and for suppression subtract ``suppress * relu(W direction)`` from the logits (Eq. 18-21)."""
+    default all), and for suppression subtract ``suppress * relu(W direction)`` from the logits (Eq. 18-21).
 
-    direction: torch.Tensor  # [d], unit norm: what is added to the residual stream
+    ``direction`` is one vector [d] for generation, or one per position [B, T, d] for steering training, where each
+    injected position pushes toward its own concept (``gamma`` then 1.0: the vectors carry their strength)."""
+
+    direction: torch.Tensor  # [d] unit norm, or [B, T, d]: what is added to the residual stream
     gamma: float
     layer: int
     suppress: float = 0.0
     positions: torch.Tensor | None = None  # bool [B, T]: where to inject; None = everywhere
     logit_direction: torch.Tensor | None = None  # e_c for the suppression mask (default: ``direction``)
+
+
+def injection_layer(config: ModelConfig) -> int:
+    """L_inj: steering adds its vector after every layer from this one on (paper 6.2; L_inj is not given)."""
+    return config.steer_layer if config.steer_layer >= 0 else config.n_layer // 2
+
+
+def steering_directions(model: CBLM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per known concept c: (injected [n, d], e [n, d], peak [n]), differentiable in K, W and the final norm, so that
+    steering training (``losses.steering``) and generation (``generate.steering_for``) inject exactly the same thing.
+
+    e_c = normalize(K_c - mean K): relative to the mean concept embedding, since the K_c share a common component
+    (what any text's h has in common) along which steering promotes generic tokens. peak_c = max_y e_c.W_y, so
+    gamma = tau / peak_c gives one strength tau the same meaning for every concept (Eq. 19). The injection happens
+    before the final RMSNorm, which scales coordinate i by its learned weight w_i: injecting normalize(w * e_c)
+    moves h along w^2 * e_c, which always has a positive inner product with e_c."""
+    known = model.concepts.known_emb
+    e = F.normalize(known - known.mean(0), dim=-1)
+    peak = (e @ model.tok_emb.weight.T).amax(-1)
+    injected = F.normalize(model.norm.weight * e, dim=-1)
+    return injected, e, peak
 
 
 class CBLM(nn.Module):

@@ -35,10 +35,10 @@ import torch
 from safetensors.torch import load_file
 
 from atlas.cblm import checkpoint
-from atlas.cblm.data import TokenData
-from atlas.cblm.losses import compute
+from atlas.cblm.data import SteeringData, TokenData
+from atlas.cblm.losses import compute, compute_steering
 from atlas.cblm.metrics import evaluate
-from atlas.cblm.model import CBLM, ModelConfig
+from atlas.cblm.model import CBLM, ModelConfig, injection_layer
 from atlas.models.tokenizer import MASK
 
 logger = logging.getLogger("atlas.cblm.train")  # steps, losses, resumes: `atlas cblm train` prints them
@@ -76,9 +76,22 @@ class TrainConfig:
     lambda_concept: float = 1.0
     lambda_rec: float = 1.0
     lambda_indep: float = 1.0
+    concept_aggregation: str = "or"  # "or" (paper) | "token": how the concept loss reads a chunk's labels
+    lambda_known: float = 0.0  # known readout loss (losses.known_readout_loss): K_c carries concept c's words
+    known_readout_unigram: bool = True  # EXPERIMENT
+    decay_concept_embeddings: bool = True  # weight decay on K and the unknown A, B (the paper decays no embedding)
     alpha_floor_known: float = 0.5
     alpha_floor_unknown: float = 0.5
     alpha_warm_frac: float = 0.1
+    # steering training (paper 10.2.4): phases of L_LM + L_respond + L_express with concept injection
+    steering: bool = False
+    steering_phases: int = 4
+    steering_phase_frac: float = 0.05  # each phase's share of max_steps
+    steering_tau: float = 4.0  # injected strength tau (gamma_c = tau / peak_c), as `atlas cblm generate --strength`
+    steering_lifted: int = 50  # |T_c|: the lifted tokens a concept's steering should express
+    steer_layer: int = -1  # L_inj (-1: n_layer // 2)
+    lambda_respond: float = 1.0
+    lambda_express: float = 1.0
     # data, evaluation, bookkeeping
     val_fraction: float = 0.1
     eval_every: int = 100
@@ -94,7 +107,8 @@ class TrainConfig:
             n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, objective=self.objective,
             block_size=self.block_size, mask_id=data.model_id(MASK), unknown_ratio=self.unknown_ratio,
             unknown_rank=self.unknown_rank, topk_known=self.topk_known, p_eps=self.p_eps,
-            p_known_drop=self.p_known_drop,
+            p_known_drop=self.p_known_drop, steer_layer=self.steer_layer,
+            concept_aggregation=self.concept_aggregation,
         )
 
     @classmethod
@@ -142,11 +156,40 @@ def alphas_at(step: int, config: TrainConfig) -> tuple[float, float]:
     return floor_k * remaining, floor_u * remaining
 
 
+def steering_phases(config: TrainConfig) -> list[tuple[int, int]]:
+    """[(first, end)) step ranges of the steering phases: after the teacher-forcing warm-up (the concept heads
+    exist by then) and before the learning-rate decay, front-loaded as in the paper's Fig. 30 (phase i starts at
+    warm + (i / phases)^2 of the stable span). Empty unless ``config.steering``."""
+    if not config.steering or config.steering_phases <= 0:
+        return []
+    warm = max(1, int(config.alpha_warm_frac * config.max_steps))
+    decay_start = int((1 - config.decay_frac) * config.max_steps)
+    length = max(1, int(config.steering_phase_frac * config.max_steps))
+    span = decay_start - warm - length
+    if span < 0:
+        raise ValueError(f"steering: {config.steering_phases} phase(s) of {length} steps do not fit between the "
+                         f"warm-up (step {warm}) and the decay (step {decay_start}); lower steering_phase_frac")
+    starts = [warm + int(span * (i / config.steering_phases) ** 2) for i in range(config.steering_phases)]
+    phases = []
+    for start in starts:  # front-loading can make early phases touch: keep them apart, in order
+        start = max(start, phases[-1][1] if phases else start)
+        phases.append((start, min(start + length, decay_start)))
+    return phases
+
+
+def in_steering_phase(step: int, phases: list[tuple[int, int]]) -> bool:
+    return any(first <= step < end for first, end in phases)
+
+
+CONCEPT_EMBEDDINGS = ("concepts.known_emb", "concepts.unknown_a", "concepts.unknown_b")
+
+
 def configure_optimizer(model: CBLM, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices except the token embedding (the paper excludes embeddings)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and name != "tok_emb.weight" else no_decay).append(p)
+        embedding = name == "tok_emb.weight" or (not config.decay_concept_embeddings and name in CONCEPT_EMBEDDINGS)
+        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
 
@@ -224,6 +267,15 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
                 "vocab": data.vocab.tolist(), "n_concepts": data.n_concepts}
 
     lambdas = (config.lambda_concept, config.lambda_rec, config.lambda_indep)
+    log_unigram = data.log_unigram().to(config.device) if config.lambda_known > 0 and config.known_readout_unigram else None
+    phases = steering_phases(config) if model.concepts is not None else []
+    steering_data = None
+    if phases:
+        steering_data = SteeringData(data, top=config.steering_lifted)
+        log(f"steering training: phases at steps {', '.join(f'{a}-{b - 1}' for a, b in phases)} "
+            f"(L_LM + {config.lambda_respond:g} L_respond + {config.lambda_express:g} L_express, tau "
+            f"{config.steering_tau:g} from layer {injection_layer(model.config)}; {steering_data.supported} of "
+            f"{data.n_concepts} concepts have a lifted set of up to {config.steering_lifted} tokens)")
     started, steps_this_call, last = time.perf_counter(), 0, {}
     while step < config.max_steps:
         # schedules and randomness are functions of the step
@@ -231,12 +283,18 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         for group in optimizer.param_groups:
             group["lr"] = lr
         alpha_known, alpha_unknown = alphas_at(step, config)
+        steering = in_steering_phase(step, phases)
         torch.manual_seed(config.seed * 1_000_003 + step)
 
         # forward, backward, update
         model.train()
         batch = data.batch(data.train_batch(step, config.batch_size, config.seed)).to(config.device)
-        loss, losses, _ = compute(model, batch, alpha_known, alpha_unknown, lambdas)
+        if steering:
+            loss, losses, _ = compute_steering(model, batch, steering_data, config.steering_tau,
+                                               (config.lambda_respond, config.lambda_express))
+        else:
+            loss, losses, _ = compute(model, batch, alpha_known, alpha_unknown, lambdas,
+                                      lambda_known=config.lambda_known, log_unigram=log_unigram)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -249,12 +307,13 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
             rate = steps_this_call * config.batch_size * config.seq_len / (time.perf_counter() - started)
             log(f"step {step}/{config.max_steps}  loss {loss.item():.3f}  "
                 + "  ".join(f"{k} {v:.3f}" for k, v in last.items())
-                + f"  lr {lr:.2e}  alpha {alpha_known:.2f}/{alpha_unknown:.2f}  {rate:,.0f} tok/s")
+                + f"  lr {lr:.2e}  alpha {alpha_known:.2f}/{alpha_unknown:.2f}{'  steering' if steering else ''}"
+                + f"  {rate:,.0f} tok/s")
         if step % config.eval_every == 0 or step == config.max_steps:
             metrics = evaluate(model, data, batches=config.eval_batches, batch_size=config.batch_size,
                                device=config.device, seed=config.seed)
             record = {"step": step, "lr": lr, "alpha_known": alpha_known, "alpha_unknown": alpha_unknown,
-                      "train": last, "val": metrics}
+                      "steering": steering, "train": last, "val": metrics}
             with open(out / "log.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             log(f"step {step}: val loss {metrics['val_loss']:.4f}"
