@@ -1,25 +1,26 @@
 """The concept-bottleneck LM against the same backbone without the concept module, at equal budget.
 
-    python benchmarks/bench_cblm.py --run runs/dev [--preset dev|toy] [--objective ar|diffusion] [--device cuda]
-                                    [--set KEY=VALUE ...] [--steer "geometry problem" --strengths 2,4,8]
-                                    [--fresh] [--json PATH] [--details PATH]
+    python benchmarks/bench_cblm.py --run runs/demo [--preset cpu|dev|toy] [--recipes atlas,paper]
+                                    [--objective ar|diffusion] [--device cuda] [--set KEY=VALUE ...]
+                                    [--strengths 2,4,8] [--fresh] [--json PATH] [--details PATH]
 
-Trains two models on the run's token shards with identical settings, steps, batches and seed (``--preset``; ``--set``
-overrides), one with ``concepts=true`` and one with ``concepts=false`` (the baseline), then prints:
+Trains, with identical settings, steps, batches and seed (``--preset``; ``--set`` overrides), the baseline
+(``concepts=false``) and one concept model per recipe (``RECIPES``: "atlas", the defaults, with the token-level
+concept loss, the known readout and steering training; "paper", the paper's OR-aggregated concept loss without
+them, which is what Atlas trained before), then prints, side by side:
 
-- validation loss of each and the gap (concept / baseline - 1; PRISM reports +3% to +4.6%, goal <= 5%);
-- the concept model's concept loss, independence, concept contribution (Steerling-8B: 0.876), detection AUC and
-  alignment proxy (``atlas.cblm.metrics``);
+- validation loss and the gap to the baseline (concept / baseline - 1; PRISM reports +3% to +4.6%, goal <= 5%);
+- concept contribution (Eq. 22; Steerling-8B 0.876), the known term's part of it (the known share), detection AUC,
+  the norms of K_c, h, k_hat, u_hat and eps, and the alignment proxy next to its chance level (the overlap with a
+  random other concept's lifted tokens), for W K_c and for the steering direction W (K_c - mean K);
 - the largest attribution error on the held-out windows: |sum of the decomposition terms - the model's logit| over
   every position and vocabulary entry checked, and |logit change when a concept is zeroed + its term|;
-- a steering example: text before and after, and the frequency of the concept's lifted tokens in the generations;
-- the steering evaluation (``atlas.cblm.steering_eval``): random concepts, several prompts, lifted-word frequency
-  steered / unsteered / suppressed, the baseline's perplexity of the continuations, and the harmonic of the concept
-  and quality scores (Eq. 30), at each ``--strengths`` tau.
+- the steering evaluation (``atlas.cblm.steering_eval``) at each ``--strengths`` tau: random concepts, several
+  prompts, lifted-word frequency steered / unsteered / suppressed, the baseline's perplexity of the continuations,
+  and the harmonic of the concept and quality scores (Eq. 30); then three steered texts next to their unsteered twins.
 
-Models go to RUN/cblm/bench-<objective>-{concepts,baseline}; a rerun resumes or reuses them (``--fresh`` retrains).
-``--json`` writes the comparisons as result rows (val loss, training seconds, lifted-token frequency steered vs
-unsteered); ``--details`` writes every number above.
+Models go to RUN/cblm/bench-<objective>-{baseline,<recipe>}; a rerun resumes or reuses them (``--fresh`` retrains).
+``--json`` writes the comparisons as result rows; ``--details`` writes every number above.
 """
 
 from __future__ import annotations
@@ -38,19 +39,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _results import add_json_option, row, write_json  # noqa: E402
 
 from atlas.cblm import checkpoint  # noqa: E402
-from atlas.cblm.data import TokenData, lifted_tokens  # noqa: E402
-from atlas.cblm.generate import Codec, steering_effect  # noqa: E402
+from atlas.cblm.data import TokenData  # noqa: E402
 from atlas.cblm.model import decompose  # noqa: E402
 from atlas.cblm.steering_eval import evaluate_steering, format_steering  # noqa: E402
 from atlas.cblm.train import TrainConfig, train  # noqa: E402
 
 PRESETS = {
-    # seconds on a 2-core CPU: the demo run's scale
+    # about a minute per model on a 2-core CPU: the demo run's scale, for a first look
     "toy": ["d_model=64", "n_layer=2", "n_head=4", "seq_len=128", "batch_size=8", "max_steps=300", "lr=3e-3"],
+    # the largest that trains the baseline and both recipes on 2 CPU cores in about 40 minutes (demo run: ~8 epochs)
+    "cpu": ["d_model=128", "n_layer=4", "n_head=4", "seq_len=128", "batch_size=16", "max_steps=1000", "lr=2e-3",
+            "eval_every=250", "eval_batches=16"],
     # the dev corpus (1.3M tokens) on a GPU: ~6 epochs
     "dev": ["d_model=256", "n_layer=4", "n_head=8", "seq_len=256", "batch_size=32", "max_steps=1000", "lr=2e-3",
             "eval_every=100", "eval_batches=16", "checkpoint_every=500"],
 }
+
+# Concept-model recipes, as --set overrides of the TrainConfig defaults.
+RECIPES = {
+    "atlas": [],  # token-level concept loss, known readout, steering training (the defaults)
+    "paper": ["concept_aggregation=or", "lambda_known=0", "steering=false"],  # OR-aggregated concept loss only
+}
+
+METRICS = ("val_loss", "concept_loss", "independence", "contribution", "contribution_known", "known_share",
+           "detection_auc", "alignment_overlap", "alignment_overlap_random_concept", "alignment_overlap_centered",
+           "alignment_overlap_centered_random_concept", "norm_known_emb", "norm_h", "norm_k_hat", "norm_u_hat",
+           "norm_eps", "max_decomposition_error", "max_intervention_error", "seconds")
 
 
 @torch.no_grad()
@@ -82,95 +96,103 @@ def attribution_errors(model, data: TokenData, device: str, batches: int = 4, ba
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", default="runs/dev")
+    parser.add_argument("--run", default="runs/demo")
     parser.add_argument("--preset", default="toy", choices=sorted(PRESETS))
+    parser.add_argument("--recipes", default="atlas",
+                        help=f"concept-model recipes, comma-separated: {', '.join(RECIPES)}")
     parser.add_argument("--objective", default="ar", choices=["ar", "diffusion"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steer", default="geometry problem", help="concept name for the steering example")
-    parser.add_argument("--strengths", default="2,4,8", help="steering strengths tau to try (comma-separated)")
+    parser.add_argument("--strengths", default="2,4,8", help="steering strengths tau to evaluate (comma-separated)")
     parser.add_argument("--prompt", action="append", default=None, help="steering prompts (repeatable)")
     parser.add_argument("--steer-concepts", type=int, default=24, help="random concepts in the steering evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete earlier bench models first")
     add_json_option(parser)
     parser.add_argument("--details", metavar="PATH", help="also write every result (metrics, steering texts) here")
     args = parser.parse_args()
+    recipes = args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipes: unknown {', '.join(unknown)} (choose from {', '.join(RECIPES)})")
 
     base = PRESETS[args.preset] + [f"objective={args.objective}", f"device={args.device}"] + args.set
     results = {}
-    for variant, concepts in (("concepts", True), ("baseline", False)):
+    for variant in ["baseline", *recipes]:
         name = f"bench-{args.objective}-{variant}"
         if args.fresh:
             shutil.rmtree(Path(args.run) / "cblm" / name, ignore_errors=True)
-        config = TrainConfig.from_overrides(args.run, base + [f"name={name}", f"concepts={concepts}"])
+        overrides = ["concepts=false"] if variant == "baseline" else RECIPES[variant]
+        config = TrainConfig.from_overrides(args.run, base + overrides + [f"name={name}"])
         started = time.perf_counter()
         metrics = train(config, log=lambda msg, variant=variant: print(f"[{variant}] {msg}", flush=True))
-        metrics["seconds"] = time.perf_counter() - started
-        results[variant] = metrics
+        results[variant] = metrics | {"seconds": time.perf_counter() - started}
 
-    concept, baseline = results["concepts"], results["baseline"]
-    model, state = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-concepts", args.device)
-    data = TokenData(args.run, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
-    torch.set_float32_matmul_precision("highest")  # exact float32 for the attribution checks (no TF32)
-    results["attribution"] = attribution_errors(model, data, args.device)
+    reference, state = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-baseline", args.device)
+    data = TokenData(args.run, reference.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
+    strengths = [float(tau) for tau in args.strengths.split(",")]
+    steering = {}
+    for recipe in recipes:
+        model, _ = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-{recipe}", args.device)
+        torch.set_float32_matmul_precision("highest")  # exact float32 for the attribution checks (no TF32)
+        metrics = results[recipe]
+        metrics.update(attribution_errors(model, data, args.device))
+        metrics["known_share"] = metrics["contribution_known"] / max(metrics["contribution"], 1e-9)
+        print(f"[{recipe}] steering evaluation ...", flush=True)
+        steering[recipe] = evaluate_steering(model, data, state["vocab"], strengths, reference=reference,
+                                             n_concepts=args.steer_concepts, **({"prompts": args.prompt}
+                                                                                if args.prompt else {}))
+    results["steering"] = steering
 
-    from atlas.cblm.cli import _concept_names, find_concept
+    baseline = results["baseline"]
+    print(f"\npreset {args.preset}, {args.objective}, {baseline['parameters']['total']:,} parameters in the baseline; "
+          f"the concept models add {results[recipes[0]]['parameters']['total'] - baseline['parameters']['total']:,}")
+    print("\n| | baseline | " + " | ".join(recipes) + " |\n|---|---:|" + "---:|" * len(recipes))
+    print(f"| val loss | {baseline['val_loss']:.4f} | "
+          + " | ".join(f"{results[r]['val_loss']:.4f} ({results[r]['val_loss'] / baseline['val_loss'] - 1:+.2%})"
+                       for r in recipes) + " |")
+    for key in METRICS[1:]:
+        values = [results[r].get(key) for r in recipes]
+        cells = " | ".join("-" if v is None else f"{v:.4g}" for v in values)
+        print(f"| {key} | {baseline[key]:.0f} | {cells} |" if key == "seconds" else f"| {key} | | {cells} |")
+    for suffix in ("", "_centered"):
+        cells = []
+        for r in recipes:
+            hit, chance = results[r].get(f"alignment_overlap{suffix}"), results[r].get(
+                f"alignment_overlap{suffix}_random_concept")
+            cells.append("-" if hit is None else f"{hit / max(chance, 1e-9):.1f}x chance")
+        print(f"| alignment{suffix} vs chance | | " + " | ".join(cells) + " |")
+    for recipe in recipes:
+        print(f"\n{recipe}: " + format_steering(steering[recipe]))
+    from atlas.cblm.cli import _concept_names
 
     names = _concept_names(Path(args.run))
-    concept_id = find_concept(names, args.steer)
-    prompts = args.prompt or ["The", "In this article we", "Here is how"]
-    lifted = lifted_tokens(data, top=200, min_support=20)[concept_id]  # a word set large enough to count in 48 tokens
-    strengths = [float(tau) for tau in args.strengths.split(",")]
-    results["steering"] = [steering_effect(model, Codec(state["vocab"]), concept_id, tau, prompts, lifted,
-                                           max_new_tokens=48, samples=8, temperature=0.8) for tau in strengths]
-    reference, _ = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-baseline", args.device)
-    results["steering_eval"] = evaluate_steering(model, data, state["vocab"], strengths, reference=reference,
-                                                 n_concepts=args.steer_concepts)
-
-    print("\n| model | params | val loss | seconds |\n|---|---:|---:|---:|")
-    for variant in ("baseline", "concepts"):
-        m = results[variant]
-        print(f"| {variant} | {m['parameters']['total']:,} | {m['val_loss']:.4f} | {m['seconds']:.0f} |")
-    print(f"\nval loss gap (concepts / baseline - 1): {concept['val_loss'] / baseline['val_loss'] - 1:+.2%}")
-    for key in ("concept_loss", "independence", "contribution", "contribution_known", "detection_auc",
-                "alignment_overlap", "alignment_overlap_random_concept", "alignment_overlap_centered",
-                "alignment_overlap_centered_random_concept", "norm_known_emb", "norm_h", "norm_k_hat", "norm_u_hat",
-                "norm_eps"):
-        if key in concept:
-            print(f"{key}: {concept[key]:.4f}")
-    if "alignment_overlap" in concept:
-        print(f"alignment proxy vs chance (a random other concept's lifted tokens): {concept['alignment_overlap']:.4f}"
-              f" vs {concept['alignment_overlap_random_concept']:.4f} "
-              f"({concept['alignment_overlap'] / max(concept['alignment_overlap_random_concept'], 1e-9):.1f}x)")
-    print("known share of the concept contribution: "
-          f"{concept['contribution_known'] / max(concept['contribution'], 1e-9):.3f}")
-    print(json.dumps(results["attribution"]))
-    print(f"\nsteering {args.steer!r} (concept {concept_id}), "
-          f"top lifted tokens {results['steering'][0]['lifted_tokens'][:20]}")
-    for s in results["steering"]:
-        print(f"tau {s['strength']:g} (gamma {s['gamma']:.2f}, layers >= {s['layer']}): lifted-token frequency "
-              f"{s['lifted_frequency_before']:.4f} -> {s['lifted_frequency_after']:.4f}")
-        print(f"--- before ---\n{s['text_before']}\n--- after ---\n{s['text_after']}")
-    print()
-    print(format_steering(results["steering_eval"]))
-    for row_ in results["steering_eval"]["strengths"][0]["per_concept"][:3]:
-        print(f"--- {names[row_['concept']]!r} unsteered ---\n{row_['text_unsteered']}\n--- steered (tau "
-              f"{strengths[0]:g}) ---\n{row_['text_steered']}")
+    for recipe in recipes:
+        best = max(steering[recipe]["strengths"], key=lambda s: s["harmonic"])
+        for row_ in best["per_concept"][:3]:
+            print(f"--- {recipe}, {names[row_['concept']]!r}, unsteered ---\n{row_['text_unsteered']}\n"
+                  f"--- steered (tau {best['tau']:g}) ---\n{row_['text_steered']}")
     if args.details:
         Path(args.details).write_text(json.dumps(results, indent=2, default=str))
+
     setting = f"{args.objective}, preset {args.preset}"
-    attribution = max(results["attribution"].values())
-    note = (f"goal <= 1.05; contribution {concept.get('contribution', float('nan')):.3f}, detection AUC "
-            f"{concept.get('detection_auc', float('nan')):.3f}, max attribution error {attribution:.1e}")
-    write_json(args.json, [
-        row("cblm", f"val loss, {setting}", concept["val_loss"], baseline["val_loss"], "loss",
-            "same backbone without concepts", better="lower", note=note),
-        row("cblm", f"training time, {setting}", concept["seconds"], baseline["seconds"], "s",
-            "same backbone without concepts", better="lower",
-            note=f"{concept['parameters']['total']:,} vs {baseline['parameters']['total']:,} parameters"),
-        *[row("cblm", f"steering {args.steer!r}, tau {s['strength']:g}", s["lifted_frequency_after"],
-              s["lifted_frequency_before"], "lifted-token freq", "same model unsteered",
-              note=f"concept {concept_id}, {len(prompts)} prompt(s) x 8 samples") for s in results["steering"]]])
+    rows = []
+    for recipe in recipes:
+        m = results[recipe]
+        attribution = max(m["max_decomposition_error"], m["max_intervention_error"])
+        note = (f"goal <= 1.05; contribution {m.get('contribution', float('nan')):.3f} (known share "
+                f"{m['known_share']:.3f}), detection AUC {m.get('detection_auc', float('nan')):.3f}, max attribution "
+                f"error {attribution:.1e}")
+        rows += [row("cblm", f"val loss, {recipe}, {setting}", m["val_loss"], baseline["val_loss"], "loss",
+                     "same backbone without concepts", better="lower", note=note),
+                 row("cblm", f"training time, {recipe}, {setting}", m["seconds"], baseline["seconds"], "s",
+                     "same backbone without concepts", better="lower",
+                     note=f"{m['parameters']['total']:,} vs {baseline['parameters']['total']:,} parameters")]
+        rows += [row("cblm", f"steering, {recipe}, tau {s['tau']:g}", s["steered"], s["unsteered"],
+                     "lifted-word freq", "same model unsteered",
+                     note=f"{len(steering[recipe]['concepts'])} random concepts; perplexity ratio "
+                          f"{s['perplexity_ratio']:.2f}, suppressed {s['suppression_ratio']:.2f}x, harmonic "
+                          f"{s['harmonic']:.3f}") for s in steering[recipe]["strengths"]]
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

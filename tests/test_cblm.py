@@ -22,6 +22,7 @@ from atlas.cblm.losses import (
     concept_loss,
     express_loss,
     independence_loss,
+    known_readout_loss,
     lm_loss,
     mask_blocks,
     reconstruction_loss,
@@ -156,6 +157,43 @@ def test_concept_loss_or_aggregation_by_hand():
     assert torch.allclose(per_chunk, k, atol=1e-6)
 
 
+def test_concept_loss_token_aggregation_by_hand():
+    # chunk 0 = tokens 0, 1 (concept 0); chunk 1 = token 2 (concept 1); one BCE per token, mean per chunk, then mean
+    logits = torch.tensor([[[0.0, -1.0], [1.0, -2.0], [3.0, 0.5]]])
+    rows = torch.tensor([[0, 0, 1]])
+    labels = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    k = torch.sigmoid(logits[0])
+
+    def bce(p, y):
+        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p))
+
+    chunk_0 = (bce(k[0], labels[0]) + bce(k[1], labels[0])) / 2
+    chunk_1 = bce(k[2], labels[1])
+    expected = torch.stack([chunk_0, chunk_1]).mean(0)  # [n]
+    assert torch.allclose(concept_loss(logits, rows, labels, per_concept=True, aggregation="token"), expected,
+                          atol=1e-6)
+    assert torch.allclose(chunk_probabilities(logits, rows, 2, aggregation="token"),
+                          torch.stack([(k[0] + k[1]) / 2, k[2]]), atol=1e-6)
+
+
+def test_known_readout_loss_by_hand():
+    # two chunks over a 3-token vocabulary; chunk 0 has concept 0, chunk 1 none (it is not scored)
+    known_emb = torch.tensor([[1.0, 0.0], [0.0, 2.0]], requires_grad=True)
+    token_emb = torch.tensor([[1.0, 1.0], [0.0, 1.0], [2.0, 0.0]], requires_grad=True)
+    labels = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    log_unigram = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    target_rows = torch.tensor([[0, 0, 1]])
+    targets = torch.tensor([[2, 0, 1]])
+    logits = log_unigram + torch.tensor([1.0, 0.0, 2.0])  # W K_0
+    nll = -torch.log_softmax(logits, -1)
+    expected = (nll[2] + nll[0]) / 2
+    loss = known_readout_loss(known_emb, token_emb, labels, target_rows, targets, log_unigram)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()  # it trains the concept embeddings and the token embeddings, and only concept 0's row of K
+    assert known_emb.grad[0].abs().sum() > 0 and known_emb.grad[1].abs().sum() == 0
+    assert token_emb.grad.abs().sum() > 0
+
+
 def test_lm_reconstruction_and_independence_by_hand():
     logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
     targets = torch.tensor([[0, 2]])
@@ -248,6 +286,30 @@ def test_steering_step_injects_only_attributed_positions_and_trains_k(tiny_run):
     assert not torch.allclose(plain[0, first], steered[0, first])
 
 
+def test_steering_evaluation_draws_concepts_and_scores_by_hand(tiny_run):
+    from atlas.cblm.steering_eval import evaluate_steering, format_steering
+
+    data = TokenData(tiny_run, seq_len=16)
+    torch.manual_seed(0)
+    model = CBLM(TrainConfig.from_overrides(str(tiny_run), TINY).model_config(data)).eval()
+    settings = dict(n_concepts=3, prompts=("The", "A"), samples=1, max_new_tokens=4, lifted=5, min_chunks=2)
+    result = evaluate_steering(model, data, data.vocab, strengths=(0.0, 8.0), **settings)
+    assert len(result["concepts"]) == 3 and result["n_candidates"] >= 3
+    assert evaluate_steering(model, data, data.vocab, strengths=(0.0,), **settings)["concepts"] == result["concepts"]
+    zero, strong = result["strengths"]
+    # tau = 0 changes nothing: same texts (same seeds), same frequency, perplexity ratio 1, full quality
+    assert zero["steered"] == zero["unsteered"] and zero["perplexity_ratio"] == pytest.approx(1.0)
+    assert zero["quality_score"] == pytest.approx(2.0)
+    for s in (zero, strong):
+        for r in s["per_concept"]:
+            assert r["concept_score"] == pytest.approx(2 * min(1.0, r["steered"] / r["density"]))
+        c, q = s["concept_score"], s["quality_score"]
+        assert s["harmonic"] == pytest.approx(2 / (1 / c + 1 / q) if c > 0 and q > 0 else 0.0)
+        assert s["lift_ratio"] == pytest.approx(s["steered"] / max(s["unsteered"], 1e-9))
+    assert strong["per_concept"][0]["text_steered"] != strong["per_concept"][0]["text_unsteered"]
+    assert "| 8 |" in format_steering(result)
+
+
 def test_steering_phases_are_front_loaded_inside_the_stable_phase():
     config = TrainConfig(max_steps=1000, steering=True, steering_phases=4, steering_phase_frac=0.05,
                          alpha_warm_frac=0.1, decay_frac=0.2)
@@ -257,7 +319,8 @@ def test_steering_phases_are_front_loaded_inside_the_stable_phase():
     gaps = [b[0] - a[1] for a, b in zip(phases, phases[1:])]
     assert gaps == sorted(gaps) and gaps[0] < gaps[-1]  # front-loaded
     assert in_steering_phase(100, phases) and not in_steering_phase(99, phases)
-    assert steering_phases(TrainConfig(max_steps=1000)) == []
+    assert steering_phases(TrainConfig(max_steps=1000, steering=False)) == []
+    assert steering_phases(TrainConfig(max_steps=3, steering=True)) == []  # too short a run: no steering phase
     with pytest.raises(ValueError, match="do not fit"):
         steering_phases(TrainConfig(max_steps=100, steering=True, steering_phase_frac=0.9))
 
@@ -325,7 +388,8 @@ def test_schedules():
 def test_resume_gives_the_same_weights(tiny_run, objective, steering):
     """Killed after a checkpoint and resumed, twice, a run reaches the uninterrupted run's weights; with steering
     phases the kills land before, inside and after the phases (steps 2, 4 of 12; phases at 3-4, 5-6, 7-8)."""
-    settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=6", "checkpoint_every=2", "eval_every=3"]
+    settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=6", "checkpoint_every=2", "eval_every=3",
+                       "steering=false"]
     if steering:
         settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=12", "checkpoint_every=2",
                            "eval_every=3", "steering=true", "steering_phases=3", "steering_phase_frac=0.17",

@@ -1,7 +1,7 @@
 """``atlas cblm ...``: train, evaluate, generate from and steer the concept-bottleneck LM.
 
     atlas cblm train RUN [--name cblm] [--baseline] [--set d_model=128 ...] [--force]   -> RUN/cblm/<name>/
-    atlas cblm eval RUN/cblm/<name>
+    atlas cblm eval RUN/cblm/<name> [--steering [--reference RUN/cblm/baseline] [--strengths 2,4,8]]
     atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 4 [--compare]]
     atlas cblm tda RUN/cblm/<name> [--force]       fit the transducer into the run's index (training-data attribution)
     atlas cblm attribute RUN/cblm/<name> "text"    the concepts behind a text's logits, and its nearest training chunks
@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   atlas cblm train runs/demo --baseline                 # the same backbone and budget without the concept module
   atlas cblm train runs/demo --name diff --set objective=diffusion --set block_size=16
   atlas cblm eval runs/demo/cblm/cblm
+  atlas cblm eval runs/demo/cblm/cblm --steering --reference runs/demo/cblm/baseline   # + the steering table
   atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "computer programming" \
 --strength 4 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
@@ -114,6 +115,16 @@ def cmd_eval(args) -> int:
     metrics = evaluate(model, data, batches=None, batch_size=train_config["batch_size"], device=args.device,
                        seed=train_config["seed"], alignment=True)
     print(json.dumps(metrics, indent=2))
+    if args.steering:
+        from atlas.cblm.steering_eval import evaluate_steering, format_steering
+
+        reference = checkpoint.load(Path(args.reference), args.device)[0] if args.reference else None
+        strengths = [float(tau) for tau in args.strengths.split(",")]
+        result = evaluate_steering(model, data, state["vocab"], strengths, reference=reference,
+                                   n_concepts=args.concepts)
+        print(format_steering(result))
+        if reference is None:
+            print("(quality: the model's own perplexity; --reference RUN/cblm/baseline scores it with the baseline)")
     return 0
 
 
@@ -239,6 +250,13 @@ def add_parser(sub) -> None:
     p = cblm.add_parser("eval", help="validation metrics of a trained model on all held-out windows")
     p.add_argument("model", help="RUN/cblm/<name>")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--steering", action="store_true",
+                   help="also the steering evaluation: random concepts x prompts, lifted-word frequency steered, "
+                        "unsteered and suppressed, a perplexity quality proxy and their harmonic (paper Eq. 30)")
+    p.add_argument("--reference", metavar="MODEL", help="with --steering: the model whose perplexity scores quality "
+                                                        "(e.g. RUN/cblm/baseline; default: the model itself)")
+    p.add_argument("--strengths", default="2,4,8", help="with --steering: the strengths tau (comma-separated)")
+    p.add_argument("--concepts", type=int, default=24, help="with --steering: how many random concepts")
     p.set_defaults(fn=cmd_eval)
 
     p = cblm.add_parser("generate", help="continue a prompt, optionally steered toward (or away from) a concept")

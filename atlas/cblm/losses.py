@@ -144,20 +144,19 @@ def express_loss(logits: torch.Tensor, concept_at: torch.Tensor, lifted_ids: tor
 
 
 def known_readout_loss(known_emb: torch.Tensor, token_emb: torch.Tensor, labels: torch.Tensor,
-                       target_rows: torch.Tensor, targets: torch.Tensor,
-                       log_unigram: torch.Tensor | None = None) -> torch.Tensor:
+                       target_rows: torch.Tensor, targets: torch.Tensor, log_unigram: torch.Tensor) -> torch.Tensor:
     """Each chunk's true concepts, read by the LM head alone, predict the chunk's tokens over the corpus unigram:
 
         L_known = mean over predicted tokens y_t (of chunks with a concept) of -log softmax(log p + W k_hat_GT)_{y_t}
 
-    with k_hat_GT = sum of the chunk's concept embeddings, W the (detached) token embedding and log p the training
+    with k_hat_GT = sum of the chunk's concept embeddings, W the token embedding (tied LM head) and log p the training
     windows' log unigram. Its minimum has W K_c close to the log-lift log P(y | c) / P(y) of concept c's words, so K_c
     carries c's words (not the words every text has), steering along it raises them, and the known term of a logit is
-    large for exactly those words. Only K is trained by it. Computed per chunk: [C, V], not [B, T, V]."""
+    large for exactly those words. It trains K and W: with W detached, the embeddings of a concept's rarer words stay
+    near their initialization in a small model and no K_c can single them out (alignment at chance). Computed per
+    chunk: [C, V], not [B, T, V]."""
     has_concept = labels.sum(-1) > 0  # [C]
-    logits = (labels @ known_emb) @ token_emb.detach().T  # [C, V]
-    if log_unigram is not None:
-        logits = logits + log_unigram
+    logits = log_unigram + (labels @ known_emb) @ token_emb.T  # [C, V]
     nll = logits.logsumexp(-1)[target_rows] - logits[target_rows, targets]  # [B, T]
     weight = has_concept[target_rows].to(nll.dtype)
     return (nll * weight).sum() / weight.sum().clamp_min(1.0)

@@ -52,7 +52,9 @@ class ModelConfig:
     p_eps: float = 0.3  # dropout on the residual eps while training
     p_known_drop: float = 0.1  # paper's p_cfg: probability a position's known part k_hat is dropped while training
     steer_layer: int = -1  # L_inj, the first layer steering injects after (-1: n_layer // 2)
-    concept_aggregation: str = "or"  # the concept loss: "or" (paper Eq. 9-10) or "token" (see losses.concept_loss)
+    # the concept loss: "or" (paper Eq. 9-10) or "token" (losses.concept_loss); TrainConfig sets it, and "or" is what
+    # checkpoints saved before the setting existed were trained with
+    concept_aggregation: str = "or"
 
     def to_dict(self) -> dict:
         return asdict(self)
