@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cblm.py --run runs/demo [--preset cpu|dev|toy] [--recipes atlas,paper]
                                     [--objective ar|diffusion] [--device cuda] [--set KEY=VALUE ...]
-                                    [--strengths 2,4,8] [--fresh] [--json PATH] [--details PATH]
+                                    [--strengths 0.25,0.5,1] [--fresh] [--json PATH] [--details PATH]
 
 Trains, with identical settings, steps, batches and seed (``--preset``; ``--set`` overrides), the baseline
 (``concepts=false``) and one concept model per recipe (``RECIPES``: "atlas", the defaults, with the token-level
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--objective", default="ar", choices=["ar", "diffusion"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--strengths", default="2,4,8", help="steering strengths tau to evaluate (comma-separated)")
+    parser.add_argument("--strengths", default="0.25,0.5,1", help="steering strengths tau (comma-separated)")
     parser.add_argument("--prompt", action="append", default=None, help="steering prompts (repeatable)")
     parser.add_argument("--steer-concepts", type=int, default=24, help="random concepts in the steering evaluation")
     parser.add_argument("--fresh", action="store_true", help="delete earlier bench models first")

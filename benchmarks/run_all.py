@@ -49,7 +49,7 @@ BENCHMARKS = [
     # --fresh: a reused model would report ~0 s of training; the bench models are RUN/cblm/bench-ar-*.
     # quick: val_fraction 0.02, as the final evaluation reads every held-out window
     ("cblm", ["bench_cblm.py", "--run", "{run}", "--fresh"],
-     ["--set", "max_steps=50", "--set", "batch_size=4", "--set", "val_fraction=0.02", "--strengths", "8",
+     ["--set", "max_steps=50", "--set", "batch_size=4", "--set", "val_fraction=0.02", "--strengths", "0.5",
       "--prompt", "The"], [],
      ["{run}/tokens", "{run}/library"]),
 ]

@@ -201,7 +201,7 @@ def test_lm_reconstruction_and_independence_by_hand():
     assert torch.allclose(lm_loss(logits, targets, torch.tensor([[False, True]])), -np.log(0.8) * torch.ones(()))
 
     u_hat, h, k_gt = torch.tensor([[[1.0, 2.0]]]), torch.tensor([[[3.0, 1.0]]]), torch.tensor([[[1.0, 0.0]]])
-    assert torch.allclose(reconstruction_loss(u_hat, h, k_gt), torch.tensor(((1 - 2) ** 2 + (2 - 1) ** 2) / 2))
+    assert torch.allclose(reconstruction_loss(u_hat, h, k_gt), torch.tensor((1.0 - 2) ** 2 + (2 - 1) ** 2))
 
     other = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0]])
     known = torch.tensor([[0.0, 1.0], [1.0, 1.0], [2.0, 0.0]])

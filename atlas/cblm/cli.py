@@ -2,7 +2,7 @@
 
     atlas cblm train RUN [--name cblm] [--baseline] [--set d_model=128 ...] [--force]   -> RUN/cblm/<name>/
     atlas cblm eval RUN/cblm/<name> [--steering [--reference RUN/cblm/baseline] [--strengths 2,4,8]]
-    atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 4 [--compare]]
+    atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 0.5 [--compare]]
     atlas cblm tda RUN/cblm/<name> [--force]       fit the transducer into the run's index (training-data attribution)
     atlas cblm attribute RUN/cblm/<name> "text"    the concepts behind a text's logits, and its nearest training chunks
 """
@@ -21,7 +21,7 @@ EXAMPLES = """examples:
   atlas cblm eval runs/demo/cblm/cblm
   atlas cblm eval runs/demo/cblm/cblm --steering --reference runs/demo/cblm/baseline   # + the steering table
   atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "computer programming" \
---strength 4 --compare
+--strength 0.5 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"
 """
@@ -255,7 +255,7 @@ def add_parser(sub) -> None:
                         "unsteered and suppressed, a perplexity quality proxy and their harmonic (paper Eq. 30)")
     p.add_argument("--reference", metavar="MODEL", help="with --steering: the model whose perplexity scores quality "
                                                         "(e.g. RUN/cblm/baseline; default: the model itself)")
-    p.add_argument("--strengths", default="2,4,8", help="with --steering: the strengths tau (comma-separated)")
+    p.add_argument("--strengths", default="0.25,0.5,1", help="with --steering: the strengths tau (comma-separated)")
     p.add_argument("--concepts", type=int, default=24, help="with --steering: how many random concepts")
     p.set_defaults(fn=cmd_eval)
 
@@ -263,7 +263,9 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="RUN/cblm/<name>")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--steer", help="a concept of the run's library: its name (any case) or its id")
-    p.add_argument("--strength", type=float, default=4.0, help="tau: > 0 amplifies, < 0 suppresses")
+    p.add_argument("--strength", type=float, default=0.5,
+                   help="tau: > 0 amplifies, < 0 suppresses (a steering-trained model: 0.25-1; larger repeats the "
+                        "concept's words)")
     p.add_argument("--layer", type=int, default=None, help="inject from this layer on (default: n_layer // 2)")
     p.add_argument("--compare", action="store_true", help="with and without steering, and the concept's "
                                                           "lifted-token frequency in each")

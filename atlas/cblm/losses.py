@@ -1,14 +1,16 @@
 """The training losses of the concept-bottleneck LM (paper 5.4; ``seeds/NOTES.md`` 1.7 and 1.9).
 
-    L = L_LM + lambda_concept L_concept + lambda_rec L_rec + lambda_indep L_indep
+    L = L_LM + lambda_concept L_concept + lambda_rec L_rec + lambda_indep L_indep + lambda_known L_known
 
 - ``lm_loss``: next-token cross-entropy (AR, Eq. 1) or cross-entropy on the masked positions only, averaged over
   them (masked diffusion, Eq. 2), computed on h_bar.
-- ``concept_loss``: chunk-level BCE with OR-aggregation over the chunk's tokens (Eq. 9-10),
-  k_chunk = 1 - prod_t (1 - k_t), computed in log space from the known head's logits. Reported per concept (the
-  mean over the n concepts): the paper's Eq. 10 is a sum, but its reported values (~0.002) are per-concept means.
-- ``reconstruction_loss``: ||u_hat - u_hat_GT||^2 with u_hat_GT = h - k_hat_GT (Eq. 11-12), divided by d so that
-  lambda = 1 means the same at every width.
+- ``concept_loss``: chunk-level BCE, computed from the known head's logits, either per token against the chunk's
+  labels (``aggregation="token"``, the default) or with the paper's OR-aggregation over the chunk's tokens
+  (Eq. 9-10), k_chunk = 1 - prod_t (1 - k_t), in log space. Reported per concept (the mean over the n concepts): the
+  paper's Eq. 10 is a sum, but its reported values (~0.002) are per-concept means.
+- ``reconstruction_loss``: ||u_hat - u_hat_GT||^2 with u_hat_GT = h - k_hat_GT, summed over the d coordinates and
+  averaged over positions (Eq. 11-12). (Atlas used to divide it by d; at d = 128 that weakened it 128-fold, and once
+  K carries words the unknown head then left a third of h to the residual eps.)
 - ``independence_loss``: ||Psi^T Phi||_F^2 / (d^2 (B - 1)) between centred stacks of u_hat and k_hat (Eq. 13-14).
 - ``known_readout_loss`` (ours, ``lambda_known``; not in the paper): the true concepts' embeddings, read by the LM
   head over the corpus unigram, predict their chunk's tokens. See its docstring and ``train.py`` for why.
@@ -16,8 +18,8 @@
 The reconstruction and independence losses reach only the unknown head: they read ``u_hat_aux`` (the unknown head
 applied to h.detach()) and detached targets, as the paper's gradient detachment prescribes.
 
-Steering training (paper 10.2.4, Eq. 31-33; ``compute_steering`` below): at the positions I attributed to a concept c
-(``data.SteeringData``), gamma_c e_c is injected into the residual stream after every layer >= L_inj, and
+Steering training (paper 10.2.4, Eq. 31-33; ``compute_steering`` below): at the set I of positions attributed to a
+concept c (``data.SteeringData``), gamma_c e_c is injected into the residual stream after every layer >= L_inj, and
 
     L = L_LM + lambda_respond L_respond + lambda_express L_express
     L_respond = -(1/|I|) sum_{t in I} log k_{c,t}                                     (the known head sees c)
@@ -93,9 +95,9 @@ def concept_loss(known_logits: torch.Tensor, chunk_rows: torch.Tensor, labels: t
 
 def reconstruction_loss(u_hat_aux: torch.Tensor, h: torch.Tensor, k_hat_target: torch.Tensor,
                         weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean over positions (where ``weight`` is set) of ||u_hat - (h - k_hat_GT)||^2 / d; the target is detached."""
+    """Mean over positions (where ``weight`` is set) of ||u_hat - (h - k_hat_GT)||^2; the target is detached."""
     target = (h - k_hat_target).detach()
-    per_position = (u_hat_aux - target).pow(2).mean(-1)
+    per_position = (u_hat_aux - target).pow(2).sum(-1)
     if weight is None:
         return per_position.mean()
     weight = weight.to(per_position.dtype)

@@ -3,7 +3,8 @@ teacher forcing off and dropout off, on the held-out windows:
 
 - ``val_loss``: the LM loss (AR: next-token cross-entropy; diffusion: cross-entropy on the masked positions of a
   per-block masking drawn with a fixed seed, so two models are scored on the same masks);
-- ``concept_loss``: OR-aggregated chunk BCE, mean per concept (lower is better);
+- ``concept_loss``: the concept BCE the model was trained with (token-level or OR-aggregated), mean per concept
+  (lower is better);
 - ``independence``: the HSIC-style cross-covariance of u_hat and k_hat (Eq. 13-14; lower is better);
 - ``contribution``: (|k_hat.W_y| + |u_hat.W_y|) / (|k_hat.W_y| + |u_hat.W_y| + |eps.W_y|) for the true next token y,
   averaged over positions (Eq. 22; higher is better, Steerling-8B 0.876); ``contribution_known``: the known

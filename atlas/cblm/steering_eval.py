@@ -13,7 +13,9 @@ proxies, on the same 0-2 scale:
   the concept's words as its real text scores 2);
 - quality: the perplexity of the continuation under a reference model (the baseline trained with the same budget, or
   the model itself), q = 2 min(1, ppl_unsteered / ppl), so an unsteered continuation scores 2 and one twice as
-  perplexing scores 1;
+  perplexing scores 1. A set of continuations (a concept's, all unsteered ones) gets the perplexity of all its tokens
+  together, exp of their mean cross-entropy: the geometric mean of its texts' perplexities (they have the same
+  length), so one degenerate text does not stand for the rest;
 - harmonic = 2 / (1 / concept + 1 / quality) on the means over concepts (Eq. 30), and suppression (tau < 0, with the
   ReLU logit mask) reported as its lifted-word frequency next to the unsteered one.
 """
@@ -78,6 +80,11 @@ def perplexity(model: CBLM, sequences: list[list[int]], prompt_lengths: list[int
     return result
 
 
+def pooled(perplexities: list[float]) -> float:
+    """The perplexity of equally long texts together: the geometric mean of theirs."""
+    return float(np.exp(np.mean(np.log(perplexities))))
+
+
 def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), reference: CBLM | None = None,
                       n_concepts: int = 24, prompts=PROMPTS, samples: int = 2, max_new_tokens: int = 32,
                       lifted: int = 50, min_chunks: int = 20, temperature: float = 0.8, seed: int = 0,
@@ -100,7 +107,7 @@ def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), ref
         return [generate(model, ids, max_new_tokens, temperature, steer=steer, seed=s) for ids, s in runs]
 
     plain = continue_all(None)
-    plain_ppl = float(np.mean(perplexity(reference, plain, lengths)))
+    plain_ppl = pooled(perplexity(reference, plain, lengths))
     densities = {c: concept_density(data, c, lifted_sets[c]) for c in chosen}
     result = {"concepts": chosen, "n_candidates": len(candidates), "prompts": list(prompts), "samples": samples,
               "max_new_tokens": max_new_tokens, "lifted": lifted, "unsteered_perplexity": plain_ppl, "strengths": []}
@@ -111,14 +118,15 @@ def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), ref
             suppressed = continue_all(steering_for(model, [c], -tau))
             f_plain = lifted_frequency(plain, lengths, lifted_sets[c])
             f_steer = lifted_frequency(steered, lengths, lifted_sets[c])
-            ppl = float(np.mean(perplexity(reference, steered, lengths)))
+            ppl = pooled(perplexity(reference, steered, lengths))
             rows.append({"concept": c, "density": densities[c], "unsteered": f_plain, "steered": f_steer,
                          "suppressed": lifted_frequency(suppressed, lengths, lifted_sets[c]), "perplexity": ppl,
                          "concept_score": 2 * min(1.0, f_steer / max(densities[c], 1e-9)),
                          "quality_score": 2 * min(1.0, plain_ppl / ppl),
                          "text_unsteered": codec.decode(plain[0]), "text_steered": codec.decode(steered[0])})
         mean = {k: float(np.mean([r[k] for r in rows]))
-                for k in ("unsteered", "steered", "suppressed", "perplexity", "concept_score", "quality_score")}
+                for k in ("unsteered", "steered", "suppressed", "concept_score", "quality_score")}
+        mean["perplexity"] = pooled([r["perplexity"] for r in rows])
         concept, quality = mean["concept_score"], mean["quality_score"]
         result["strengths"].append({
             "tau": tau, **mean,
