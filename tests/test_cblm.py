@@ -534,5 +534,5 @@ def test_steer_resolves_names_ids_and_suggests_the_nearest(tiny_run, capsys, mon
     with pytest.raises(SystemExit, match=r"nearest names: 'music' \(id 3\)"):
         main(["cblm", "generate", model, "--prompt", "The", "--steer", "musik", "--max-new-tokens", "2"])
     assert main(["cblm", "generate", model, "--prompt", "The", "--steer", "Python Code", "--max-new-tokens", "2"]) == 0
-    assert "steering toward concept 1 'python code' (strength 4)" in capsys.readouterr().out
+    assert "steering toward concept 1 'python code' (strength 0.5)" in capsys.readouterr().out
 

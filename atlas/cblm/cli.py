@@ -238,7 +238,9 @@ def add_parser(sub) -> None:
     cblm = parser.add_subparsers(dest="cblm_command", required=True, metavar="{train,eval,generate,tda,attribute}")
 
     p = cblm.add_parser("train", help="train (or resume) on a run's token shards -> RUN/cblm/<name>",
-                        epilog="settings (--set KEY=VALUE): see atlas/cblm/train.py TrainConfig")
+                        epilog="settings (--set KEY=VALUE): see atlas/cblm/train.py TrainConfig. Steering training "
+                               "(paper 10.2.4) is on: the log names its phases; --set steering=false skips it, "
+                               "--set steering_tau=X sets the strength it trains at")
     p.add_argument("run_dir", help="a run directory with token shards and a library")
     p.add_argument("--name", help="output folder under RUN/cblm (default: cblm, or baseline with --baseline)")
     p.add_argument("--baseline", action="store_true", help="no concept module: the same backbone and budget")

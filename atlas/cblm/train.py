@@ -24,6 +24,8 @@ the paper's OR-aggregated concept loss is met by one active token per chunk, so 
 known part k_hat = k K is ~1% of what teacher forcing feeds; nothing else ties K to words, since the unknown head
 reconstructs whatever h - k_hat_GT is. So the concept loss is per token (``concept_aggregation="token"``), the known
 readout (``lambda_known``) makes W K_c the log-lift of c's words, and K, like every embedding, is not weight-decayed.
+Once K carries words, the unknown head must subtract them from h, which it did only with the reconstruction loss
+at the paper's scale (summed over d, Eq. 11; it was divided by d); otherwise the residual eps took a third of h.
 
 Dropout, diffusion masks and teacher-forcing draws are seeded from (seed, step), and a step's batch comes from
 ``TokenData.train_batch(step)``: an interrupted and resumed run reaches the same weights as an uninterrupted one.
