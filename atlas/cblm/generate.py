@@ -29,7 +29,7 @@ from atlas.models.tokenizer import BOS, cl100k
 def steering_for(model: CBLM, concepts: list[int], strength: float, layer: int | None = None) -> Steering:
     """The steering of ``concepts`` (known-concept indices) at strength tau = ``strength``, injected from ``layer``
     (default: the model's trained injection layer). For one concept this is exactly what steering training injects
-    (``model.steering_directions``); several concepts steer along the normalized sum of their directions."""
+    (``steering_directions`` in model.py); several concepts steer along the normalized sum of their directions."""
     if model.concepts is None:
         raise ValueError("this model has no concept module (a baseline): it cannot be steered by concept")
     with torch.no_grad():

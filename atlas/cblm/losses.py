@@ -210,8 +210,8 @@ def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, 
 
 
 def compute_steering(model, batch, data: SteeringData, tau: float, lambdas=(1.0, 1.0),
-             generator: torch.Generator | None = None):
-    """One steering-training step's losses (Eq. 33): inject tau / peak_c * e_c (``model.steering_directions``, the
+                     generator: torch.Generator | None = None):
+    """One steering-training step's losses (Eq. 33): inject tau / peak_c * e_c (``model.steering_directions``: the
     vector generation injects at strength tau) at the positions attributed to a concept, with no teacher forcing.
     Returns (total, {name: value}, concept_at)."""
     inputs, targets, scored, target_rows = _inputs(model, batch, generator)

@@ -254,7 +254,7 @@ def injection_layer(config: ModelConfig) -> int:
 
 def steering_directions(model: CBLM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per known concept c: (injected [n, d], e [n, d], peak [n]), differentiable in K, W and the final norm, so that
-    steering training (``losses.steering``) and generation (``generate.steering_for``) inject exactly the same thing.
+    steering training (``losses.compute_steering``) and generation (``generate.steering_for``) inject the same thing.
 
     e_c = normalize(K_c - mean K): relative to the mean concept embedding, since the K_c share a common component
     (what any text's h has in common) along which steering promotes generic tokens. peak_c = max_y e_c.W_y, so
