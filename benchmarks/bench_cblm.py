@@ -47,7 +47,7 @@ from atlas.cblm.train import TrainConfig, train  # noqa: E402
 PRESETS = {
     # about a minute per model on a 2-core CPU: the demo run's scale, for a first look
     "toy": ["d_model=64", "n_layer=2", "n_head=4", "seq_len=128", "batch_size=8", "max_steps=300", "lr=3e-3"],
-    # the largest that trains the baseline and both recipes on 2 CPU cores in about 40 minutes (demo run: ~8 epochs)
+    # the baseline and both recipes on 2 CPU cores in about 35 minutes (the demo run: ~8 epochs)
     "cpu": ["d_model=128", "n_layer=4", "n_head=4", "seq_len=128", "batch_size=16", "max_steps=1000", "lr=2e-3",
             "eval_every=250", "eval_batches=16"],
     # the dev corpus (1.3M tokens) on a GPU: ~6 epochs
