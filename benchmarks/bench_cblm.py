@@ -131,9 +131,9 @@ def main() -> None:
     data = TokenData(args.run, reference.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
     strengths = [float(tau) for tau in args.strengths.split(",")]
     steering = {}
+    torch.set_float32_matmul_precision("highest")  # exact float32 for the attribution checks (no TF32)
     for recipe in recipes:
         model, _ = checkpoint.load(Path(args.run) / "cblm" / f"bench-{args.objective}-{recipe}", args.device)
-        torch.set_float32_matmul_precision("highest")  # exact float32 for the attribution checks (no TF32)
         metrics = results[recipe]
         metrics.update(attribution_errors(model, data, args.device))
         metrics["known_share"] = metrics["contribution_known"] / max(metrics["contribution"], 1e-9)

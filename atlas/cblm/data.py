@@ -94,6 +94,13 @@ class TokenData:
         counts = counts.astype(np.float64) + smoothing
         return torch.from_numpy(np.log(counts / counts.sum())).float()
 
+    def chunk_concepts(self):
+        """[chunks, n] scipy CSR matrix: 1 where a chunk is annotated with a concept."""
+        from scipy import sparse
+
+        return sparse.csr_matrix((np.ones(len(self.concept_ids), dtype=np.float32), self.concept_ids,
+                                  self.concept_ptr), shape=(len(self.concept_ptr) - 1, self.n_concepts))
+
     @property
     def vocab_size(self) -> int:
         return len(self.vocab)
@@ -139,9 +146,7 @@ def lifted_tokens(data: TokenData, top: int = 20, min_support: int = 5, with_lif
     rows = data.chunk_rows[data.train_windows, :-1].reshape(-1).numpy()
     n_chunks, vocab = len(data.concept_ptr) - 1, data.vocab_size
     chunk_tokens = sparse.csr_matrix((np.ones(len(tokens), dtype=np.float32), (rows, tokens)), shape=(n_chunks, vocab))
-    chunk_concepts = sparse.csr_matrix((np.ones(len(data.concept_ids), dtype=np.float32), data.concept_ids,
-                                        data.concept_ptr), shape=(n_chunks, data.n_concepts))
-    concept_tokens = (chunk_concepts.T @ chunk_tokens).tocsr()  # [n, vocab] token counts in each concept's chunks
+    concept_tokens = (data.chunk_concepts().T @ chunk_tokens).tocsr()  # [n, vocab]: token counts in c's chunks
     overall = np.asarray(chunk_tokens.sum(0)).ravel()
     p_token = overall / max(overall.sum(), 1.0)
     special = np.searchsorted(data.vocab, np.asarray(SPECIAL_IDS))

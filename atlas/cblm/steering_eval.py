@@ -38,21 +38,20 @@ PROMPTS = ("The", "In this article we", "Here is how", "One of the most importan
 def steerable_concepts(data: TokenData, lifted: list[np.ndarray], top: int, min_chunks: int) -> list[int]:
     """Concepts with at least ``min_chunks`` training chunks and ``top`` lifted tokens."""
     rows = np.unique(data.chunk_rows[data.train_windows].numpy())
-    counts = np.zeros(data.n_concepts, dtype=np.int64)
-    for row in rows:
-        counts[data.concept_ids[data.concept_ptr[row]:data.concept_ptr[row + 1]]] += 1
+    counts = np.asarray(data.chunk_concepts()[rows].sum(0)).ravel()
     return [c for c in range(data.n_concepts) if counts[c] >= min_chunks and len(lifted[c]) >= top]
 
 
-def concept_density(data: TokenData, concept: int, lifted: np.ndarray) -> float:
-    """f_c: the share of the tokens of the concept's training chunks that are in its lifted set."""
+def concept_densities(data: TokenData, concepts: list[int], lifted: list[np.ndarray]) -> dict[int, float]:
+    """f_c per concept c: the share of the tokens of c's training chunks that are in its lifted set."""
     tokens = data.windows[data.train_windows, :-1].reshape(-1).numpy()
     rows = data.chunk_rows[data.train_windows, :-1].reshape(-1).numpy()
-    has = np.zeros(len(data.concept_ptr) - 1, dtype=bool)
-    for row in np.unique(rows):
-        has[row] = concept in data.concept_ids[data.concept_ptr[row]:data.concept_ptr[row + 1]]
-    mine = tokens[has[rows]]
-    return float(np.isin(mine, lifted).mean()) if len(mine) else float("nan")
+    in_chunk = data.chunk_concepts()[:, concepts].toarray()[rows] > 0  # [tokens, len(concepts)]
+    densities = {}
+    for j, c in enumerate(concepts):
+        mine = tokens[in_chunk[:, j]]
+        densities[c] = float(np.isin(mine, lifted[c]).mean()) if len(mine) else float("nan")
+    return densities
 
 
 @torch.no_grad()
@@ -87,10 +86,10 @@ def pooled(perplexities: list[float]) -> float:
 
 def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), reference: CBLM | None = None,
                       n_concepts: int = 24, prompts=PROMPTS, samples: int = 2, max_new_tokens: int = 32,
-                      lifted: int = 50, min_chunks: int = 20, temperature: float = 0.8, seed: int = 0,
-                      examples: int = 3) -> dict:
-    """The steering table at each strength tau in ``strengths`` (the negative of each is the suppression), with
-    ``examples`` steered and unsteered texts. ``reference`` scores quality (default: the model itself)."""
+                      lifted: int = 50, min_chunks: int = 20, temperature: float = 0.8, seed: int = 0) -> dict:
+    """The steering table at each strength tau in ``strengths`` (the negative of each is the suppression), with one
+    steered text per concept next to its unsteered twin: the sample whose lifted words rose most.
+    ``reference`` scores quality (default: the model itself)."""
     reference = reference or model
     codec = Codec(vocab)
     lifted_sets = lifted_tokens(data, lifted)
@@ -108,7 +107,8 @@ def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), ref
 
     plain = continue_all(None)
     plain_ppl = pooled(perplexity(reference, plain, lengths))
-    densities = {c: concept_density(data, c, lifted_sets[c]) for c in chosen}
+    densities = concept_densities(data, chosen, lifted_sets)
+    f_plain = {c: lifted_frequency(plain, lengths, lifted_sets[c]) for c in chosen}
     result = {"concepts": chosen, "n_candidates": len(candidates), "prompts": list(prompts), "samples": samples,
               "max_new_tokens": max_new_tokens, "lifted": lifted, "unsteered_perplexity": plain_ppl, "strengths": []}
     for tau in strengths:
@@ -116,14 +116,14 @@ def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), ref
         for c in chosen:
             steered = continue_all(steering_for(model, [c], tau))
             suppressed = continue_all(steering_for(model, [c], -tau))
-            f_plain = lifted_frequency(plain, lengths, lifted_sets[c])
             f_steer = lifted_frequency(steered, lengths, lifted_sets[c])
             ppl = pooled(perplexity(reference, steered, lengths))
-            rows.append({"concept": c, "density": densities[c], "unsteered": f_plain, "steered": f_steer,
+            shown = most_lifted(plain, steered, lengths, lifted_sets[c])
+            rows.append({"concept": c, "density": densities[c], "unsteered": f_plain[c], "steered": f_steer,
                          "suppressed": lifted_frequency(suppressed, lengths, lifted_sets[c]), "perplexity": ppl,
                          "concept_score": 2 * min(1.0, f_steer / max(densities[c], 1e-9)),
                          "quality_score": 2 * min(1.0, plain_ppl / ppl),
-                         "text_unsteered": codec.decode(plain[0]), "text_steered": codec.decode(steered[0])})
+                         "text_unsteered": codec.decode(plain[shown]), "text_steered": codec.decode(steered[shown])})
         mean = {k: float(np.mean([r[k] for r in rows]))
                 for k in ("unsteered", "steered", "suppressed", "concept_score", "quality_score")}
         mean["perplexity"] = pooled([r["perplexity"] for r in rows])
@@ -138,7 +138,15 @@ def evaluate_steering(model: CBLM, data: TokenData, vocab, strengths=(4.0,), ref
     return result
 
 
-def format_steering(result: dict, names: list[str] | None = None) -> str:
+def most_lifted(plain: list[list[int]], steered: list[list[int]], prompt_lengths: list[int],
+                lifted: np.ndarray) -> int:
+    """The sample whose continuation gained the most lifted words from steering (the first on a tie)."""
+    gains = [np.isin(s[n:], lifted).sum() - np.isin(p[n:], lifted).sum()
+             for p, s, n in zip(plain, steered, prompt_lengths)]
+    return int(np.argmax(gains))
+
+
+def format_steering(result: dict) -> str:
     """The table `bench_cblm.py` and `atlas cblm eval --steering` print."""
     lines = [f"steering: {len(result['concepts'])} random concepts (of {result['n_candidates']} with enough "
              f"support) x {len(result['prompts'])} prompts x {result['samples']} samples, {result['max_new_tokens']} "
