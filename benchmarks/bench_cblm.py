@@ -5,7 +5,7 @@
                                     [--strengths 0.25,0.5,1] [--fresh] [--json PATH] [--details PATH]
 
 Trains, with identical settings, steps, batches and seed (``--preset``; ``--set`` overrides), the baseline
-(``concepts=false``) and one concept model per recipe (``RECIPES``: "atlas", the defaults, with the token-level
+(``head=none``) and one concept model per recipe (``RECIPES``: "atlas", the defaults, with the token-level
 concept loss, the known readout and steering training; "paper", the paper's OR-aggregated concept loss without
 them, which is what Atlas trained before), then prints, side by side:
 
@@ -121,7 +121,7 @@ def main() -> None:
         name = f"bench-{args.objective}-{variant}"
         if args.fresh:
             shutil.rmtree(Path(args.run) / "cblm" / name, ignore_errors=True)
-        overrides = ["concepts=false"] if variant == "baseline" else RECIPES[variant]
+        overrides = ["head=none"] if variant == "baseline" else RECIPES[variant]
         config = TrainConfig.from_overrides(args.run, base + overrides + [f"name={name}"])
         started = time.perf_counter()
         metrics = train(config, log=lambda msg, variant=variant: print(f"[{variant}] {msg}", flush=True))

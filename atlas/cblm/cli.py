@@ -87,7 +87,7 @@ def cmd_train(args) -> int:
 
     overrides = list(args.set or [])
     if args.baseline:
-        overrides.append("concepts=false")
+        overrides.append("head=none")
     name = args.name or ("baseline" if args.baseline else "cblm")
     config = TrainConfig.from_overrides(str(Path(args.run_dir)), [f"name={name}"] + overrides)
     if not args.force and (done := trained_metrics(config)) is not None:

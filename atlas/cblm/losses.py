@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from atlas.cblm.data import SteeringData
 from atlas.cblm.model import Steering, injection_layer, steering_directions
+from atlas.cblm.prism import PrototypeParts, prism_losses
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,10 +180,11 @@ def _inputs(model, batch, generator: torch.Generator | None = None):
 
 def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, lambdas=(1.0, 1.0, 1.0),
             generator: torch.Generator | None = None, lambda_known: float = 0.0,
-            log_unigram: torch.Tensor | None = None):
+            log_unigram: torch.Tensor | None = None, lambda_div: float = 0.0):
     """One forward pass on ``batch`` and every loss. Returns (total, {name: value}, extras) where extras holds what
     the metrics need: the logits, targets, positions scored, bottleneck parts and chunk rows/labels.
-    ``lambda_known`` > 0 adds ``known_readout_loss`` (``log_unigram``: the training windows' log unigram, [V])."""
+    ``lambda_known`` > 0 adds ``known_readout_loss`` (``log_unigram``: the training windows' log unigram, [V]).
+    A PRISM model adds its losses (``prism.prism_losses``) with unit weights, and ``lambda_div`` L_DIV."""
     T = model.config.seq_len
     inputs, targets, scored, target_rows = _inputs(model, batch, generator)
     # Only the chunks that have a token among the inputs take part in the concept loss.
@@ -192,7 +194,11 @@ def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, 
     logits, parts = model(inputs, known_target, alpha_known, alpha_unknown)
     losses = {"lm": lm_loss(logits, targets, scored)}
     total = losses["lm"]
-    if parts is not None:
+    if isinstance(parts, PrototypeParts):
+        prism = prism_losses(model.prism, parts, lambda_div)
+        losses.update(prism)
+        total = total + sum(prism.values())
+    elif parts is not None:
         lambda_concept, lambda_rec, lambda_indep = lambdas
         losses["concept"] = concept_loss(parts.known_logits, rows, labels,
                                          aggregation=model.config.concept_aggregation)

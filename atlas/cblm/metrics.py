@@ -17,6 +17,8 @@ teacher forcing off and dropout off, on the held-out windows:
   with the largest W K_c that are among the concept's 20 most lifted tokens (lift = P(token | chunk has c) /
   P(token), from the training windows), next to the same overlap with a random other concept's lifted tokens; and
   the same for W (K_c - mean K) (``_centered``), the direction steering uses.
+
+A PRISM model reports ``prototype_*`` instead of the concept metrics (``prism_batch_metrics``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch
 
 from atlas.cblm.data import SPECIAL_IDS, TokenData, lifted_tokens
 from atlas.cblm.losses import chunk_probabilities, compute, concept_loss
+from atlas.cblm.prism import PrototypeParts
+from atlas.cblm.prism import decompose as prism_decompose
 
 
 @torch.no_grad()
@@ -37,7 +41,7 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
     starts = list(range(0, len(windows), batch_size))[: batches if batches else None]
     lm_sum = lm_count = 0.0
     concept_sum = indep_sum = contribution_sum = known_sum = contribution_count = 0.0
-    probabilities, labels, norms, positions = [], [], {}, 0
+    probabilities, labels, norms, positions, prism_sums = [], [], {}, 0, {}
     for start in starts:
         batch = data.batch(windows[start:start + batch_size]).to(device)
         _, losses, extras = compute(model, batch, generator=generator)
@@ -47,6 +51,9 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         lm_count += count
         parts = extras["parts"]
         if parts is None:
+            continue
+        if isinstance(parts, PrototypeParts):
+            prism_sums = _add(prism_sums, prism_batch_metrics(model, parts, extras["targets"], scored))
             continue
         aggregation = model.config.concept_aggregation
         concept_sum += float(concept_loss(parts.known_logits, extras["rows"], extras["labels"],
@@ -69,6 +76,9 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         labels.append(extras["labels"].cpu())
 
     metrics = {"val_loss": lm_sum / max(lm_count, 1.0), "val_tokens": int(lm_count)}
+    if prism_sums:
+        count = prism_sums.pop("positions")
+        metrics.update({name: total / count for name, total in prism_sums.items()})
     if probabilities:
         n_batches = len(probabilities)
         metrics.update(concept_loss=concept_sum / n_batches, independence=indep_sum / n_batches,
@@ -80,6 +90,25 @@ def evaluate(model, data: TokenData, batches: int | None = 8, batch_size: int = 
         if alignment:
             metrics.update(alignment_proxy(model, data))
     return metrics
+
+
+def _add(sums: dict, values: dict) -> dict:
+    return {k: sums.get(k, 0.0) + v for k, v in values.items()}
+
+
+def prism_batch_metrics(model, parts: PrototypeParts, targets: torch.Tensor, scored: torch.Tensor | None) -> dict:
+    """Sums over a batch's scored positions (divided by ``positions`` in ``evaluate``): ``prototype_share``, the
+    prototypes' part of the true token's logit, |sum_i a_i (W p_i)_y| / (that + |(W r)_y|), the PRISM analogue of the
+    contribution; ``prototype_active``, how many prototypes are active (a > 0, at most top-k); ``prototype_cos``, the
+    cosine of h to its nearest prototype (what L_R2 raises); ``prototype_residual``, |r| / |z|."""
+    parts_y = prism_decompose(model.tok_emb.weight, model.prism, parts, targets)
+    prototypes, residual = parts_y["prototypes"].sum(-1).abs(), parts_y["residual"].abs()
+    values = {"prototype_share": prototypes / (prototypes + residual).clamp_min(1e-12),
+              "prototype_active": (parts.alpha > 0).sum(-1).to(prototypes.dtype),
+              "prototype_cos": parts.cos.max(-1).values,
+              "prototype_residual": parts.residual.norm(dim=-1) / parts.z.norm(dim=-1).clamp_min(1e-12)}
+    mask = scored if scored is not None else torch.ones_like(prototypes, dtype=torch.bool)
+    return {"positions": float(mask.sum()), **{k: float(v[mask].sum()) for k, v in values.items()}}
 
 
 def detection_auc(probabilities: np.ndarray, labels: np.ndarray) -> float:

@@ -17,8 +17,18 @@ the residual while training is what pushes the prediction through the concepts.
 
 ``objective`` picks the attention: "ar" is causal; "diffusion" is the paper's causal diffusion, bidirectional inside
 blocks of ``block_size`` tokens and causal across blocks. With ``n_concepts = 0`` there is no concept module
-(h_bar = h): the baseline trained with the same budget. A second bottleneck type (e.g. prototypes) would be another
-module with the same ``Bottleneck`` output.
+(h_bar = h): the baseline trained with the same budget.
+
+The other interpretable models of the seeds are options of the same model (``seeds/NOTES.md`` 2):
+
+- ``prototypes = K`` (without concepts): the PRISM output head (``prism.py``), logits = W r + sum_i a_i W p_i;
+- ``mixer = "prototype"``: every attention replaced by the ProtoT prototype mixer (``mixer.py``), which also gives the
+  model a recurrent form (``step``): O(1) time and memory per generated token;
+- ``rope = "pi"``: signal/noise head pairs (seeds 003 Eq. 10): the first half of each layer's heads rotate with base
+  pi * rope_base (slow, long-range "signal"), the second half with rope_base / pi (fast, local "noise").
+
+The mixer and the RoPE variant change the backbone only, so they combine with the concept module or the PRISM head;
+the concept module and the PRISM head are two heads for the same hidden state, so a model has one of them.
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from atlas.cblm.mixer import PrototypeMixer
+from atlas.cblm.prism import PrototypeHead, PrototypeParts
 
 
 @dataclass
@@ -55,6 +68,24 @@ class ModelConfig:
     # the concept loss: "or" (paper Eq. 9-10) or "token" (losses.concept_loss); TrainConfig sets it, and "or" is what
     # checkpoints saved before the setting existed were trained with
     concept_aggregation: str = "or"
+    mixer: str = "attention"  # "attention" | "prototype" (ProtoT, mixer.py)
+    mixer_channels: int = 32  # R, the ProtoT prototypes per layer (the source's default)
+    rope: str = "standard"  # "standard" | "pi" (signal/noise head pairs); attention only
+    prototypes: int = 0  # K, the PRISM head's prototypes (prism.py); 0 = no PRISM head
+    prototype_topk: int = 16
+
+    def __post_init__(self):
+        if self.mixer not in ("attention", "prototype"):
+            raise ValueError(f"mixer={self.mixer!r}: expected 'attention' or 'prototype'")
+        if self.rope not in ("standard", "pi"):
+            raise ValueError(f"rope={self.rope!r}: expected 'standard' or 'pi'")
+        if self.rope == "pi" and self.n_head % 2:
+            raise ValueError(f"rope='pi' pairs signal and noise heads: n_head must be even, not {self.n_head}")
+        if self.prototypes and self.n_concepts:
+            raise ValueError("the PRISM head (prototypes > 0) and the concept module are two heads for the same "
+                             "hidden state: train one of them")
+        if self.mixer == "prototype" and self.objective != "ar":
+            raise ValueError("mixer='prototype' is strictly causal: it trains with objective='ar' only")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,10 +108,18 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
     return angles.cos(), angles.sin()
 
 
+def pi_rope_tables(seq_len: int, head_dim: int, base: float, n_head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head tables [n_head, seq_len, head_dim / 2] for pi-RoPE: the first n_head / 2 heads (signal) use base
+    pi * base, the others (noise) base / pi."""
+    signal, noise = rope_tables(seq_len, head_dim, base * math.pi), rope_tables(seq_len, head_dim, base / math.pi)
+    half = n_head // 2
+    return (torch.stack([signal[0]] * half + [noise[0]] * half), torch.stack([signal[1]] * half + [noise[1]] * half))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x1, x2) of the two halves of each head; x is [B, heads, T, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    cos, sin = cos[..., : x.shape[-2], :], sin[..., : x.shape[-2], :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -98,15 +137,27 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)  # QK-norm
 
+    def _qkv(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+
     def forward(self, x, cos, sin, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:T, :T])
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def weights(self, x, cos, sin, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention probabilities [B, heads, T, T] that ``forward`` uses (for diagnostics)."""
+        T = x.shape[1]
+        q, k, _ = self._qkv(x, cos, sin)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if mask is None else mask[:T, :T]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        return F.softmax(scores.masked_fill(~allowed, -float("inf")), dim=-1)
 
 
 class SwiGLU(nn.Module):
@@ -122,14 +173,22 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(config.d_model), Attention(config)
+        mixer = (PrototypeMixer(config.d_model, config.mixer_channels, layer) if config.mixer == "prototype"
+                 else Attention(config))
+        self.attn_norm, self.attn = RMSNorm(config.d_model), mixer
         self.mlp_norm, self.mlp = RMSNorm(config.d_model), SwiGLU(config)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
+
+    def step(self, x: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+        """One position x [B, d] through a prototype-mixer block, recurrently."""
+        mixed, state = self.attn.step(self.attn_norm(x), state)
+        x = x + mixed
+        return x + self.mlp(self.mlp_norm(x)), state
 
 
 @dataclass
@@ -274,10 +333,16 @@ class CBLM(nn.Module):
         assert config.d_model % config.n_head == 0 and (config.d_model // config.n_head) % 2 == 0
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)])
         self.norm = RMSNorm(config.d_model)
         self.concepts = ConceptModule(config) if config.n_concepts else None
-        cos, sin = rope_tables(config.seq_len, config.d_model // config.n_head, config.rope_base)
+        self.prism = PrototypeHead(config.d_model, config.prototypes, config.prototype_topk) if config.prototypes \
+            else None
+        head_dim = config.d_model // config.n_head
+        if config.rope == "pi":
+            cos, sin = pi_rope_tables(config.seq_len, head_dim, config.rope_base, config.n_head)
+        else:
+            cos, sin = rope_tables(config.seq_len, head_dim, config.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         mask = block_causal_mask(config.seq_len, config.block_size) if config.objective == "diffusion" else None
@@ -298,11 +363,24 @@ class CBLM(nn.Module):
         """The backbone: token ids [B, T] -> final normalized hidden states h [B, T, d]."""
         x = self.tok_emb(idx)
         for layer, block in enumerate(self.blocks):
-            x = block(x, self.rope_cos, self.rope_sin, self.attn_mask)
-            if steer is not None and layer >= steer.layer:
-                push = steer.gamma * steer.direction
-                x = x + (push if steer.positions is None else steer.positions[..., None].to(x.dtype) * push)
+            x = _steered(block(x, self.rope_cos, self.rope_sin, self.attn_mask), layer, steer)
         return self.norm(x)
+
+    def head(self, h: torch.Tensor, known_target=None, alpha_known: float = 0.0, alpha_unknown: float = 0.0,
+             steer: Steering | None = None, edit=None) -> tuple[torch.Tensor, Bottleneck | PrototypeParts | None]:
+        """Final hidden states h [..., d] -> logits and the parts of the concept module or PRISM head."""
+        parts = None
+        if self.concepts is not None:
+            parts = self.concepts(h, known_target, alpha_known, alpha_unknown, edit)
+            h = parts.h_bar
+        elif self.prism is not None:
+            parts = self.prism(h)
+            h = parts.z_hat + parts.residual
+        logits = h @ self.tok_emb.weight.T
+        if steer is not None and steer.suppress:
+            e_c = steer.direction if steer.logit_direction is None else steer.logit_direction
+            logits = logits - steer.suppress * F.relu(self.tok_emb.weight @ e_c)
+        return logits, parts
 
     def forward(
         self,
@@ -313,25 +391,55 @@ class CBLM(nn.Module):
         steer: Steering | None = None,
         edit: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Bottleneck | None]:
-        """Logits [B, T, vocab] and the bottleneck's parts (None without a concept module)."""
-        h = self.hidden(idx, steer)
-        parts = None
-        if self.concepts is not None:
-            parts = self.concepts(h, known_target, alpha_known, alpha_unknown, edit)
-            h = parts.h_bar
-        logits = h @ self.tok_emb.weight.T
-        if steer is not None and steer.suppress:
-            e_c = steer.direction if steer.logit_direction is None else steer.logit_direction
-            logits = logits - steer.suppress * F.relu(self.tok_emb.weight @ e_c)
-        return logits, parts
+        """Logits [B, T, vocab] and the head's parts (the concept module's Bottleneck, PRISM's PrototypeParts, or
+        None for the plain baseline)."""
+        return self.head(self.hidden(idx, steer), known_target, alpha_known, alpha_unknown, steer, edit)
+
+    def initial_state(self, batch: int = 1) -> list[dict]:
+        """The recurrent state of a prototype-mixer model before any token: one fixed-size dict per layer."""
+        if self.config.mixer != "prototype":
+            raise ValueError("only mixer='prototype' models have a recurrent form")
+        weight = self.tok_emb.weight
+        return [block.attn.initial_state(batch, weight.device, weight.dtype) for block in self.blocks]
+
+    def step(self, idx: torch.Tensor, state: list[dict], steer: Steering | None = None):
+        """Recurrent form of ``forward`` for one position: token ids [B] and the state after the previous tokens ->
+        (logits [B, vocab], parts, new state). Equal to the parallel forward's last position, at O(1) cost."""
+        x, new_state = self.tok_emb(idx), []
+        for layer, (block, layer_state) in enumerate(zip(self.blocks, state)):
+            x, layer_state = block.step(x, layer_state)
+            x = _steered(x, layer, steer)
+            new_state.append(layer_state)
+        logits, parts = self.head(self.norm(x), steer=steer)
+        return logits, parts, new_state
+
+    @torch.no_grad()
+    def attention_maps(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer, the attention probabilities [B, heads, T, T] (attention models only)."""
+        if self.config.mixer != "attention":
+            raise ValueError("attention_maps: this model has no attention (mixer='prototype')")
+        x, maps = self.tok_emb(idx), []
+        for block in self.blocks:
+            maps.append(block.attn.weights(block.attn_norm(x), self.rope_cos, self.rope_sin, self.attn_mask))
+            x = block(x, self.rope_cos, self.rope_sin, self.attn_mask)
+        return maps
 
     def num_params(self) -> dict:
-        """Parameter counts: backbone (without the embedding), embedding, concept module."""
+        """Parameter counts: backbone (without the embedding), embedding, head (concept module or PRISM)."""
         embedding = self.tok_emb.weight.numel()
-        concept = sum(p.numel() for p in self.concepts.parameters()) if self.concepts is not None else 0
+        head = self.concepts if self.concepts is not None else self.prism
+        head_params = sum(p.numel() for p in head.parameters()) if head is not None else 0
         total = sum(p.numel() for p in self.parameters())
-        return {"backbone": total - embedding - concept, "embedding": embedding, "concept_module": concept,
+        return {"backbone": total - embedding - head_params, "embedding": embedding, "concept_module": head_params,
                 "total": total}
+
+
+def _steered(x: torch.Tensor, layer: int, steer: Steering | None) -> torch.Tensor:
+    """The residual stream after ``layer``, with the steering vector added from the injection layer on."""
+    if steer is None or layer < steer.layer:
+        return x
+    push = steer.gamma * steer.direction
+    return x + (push if steer.positions is None else steer.positions[..., None].to(x.dtype) * push)
 
 
 def decompose(model: CBLM, parts: Bottleneck, targets: torch.Tensor) -> dict[str, torch.Tensor]:

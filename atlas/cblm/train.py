@@ -59,9 +59,16 @@ logger = logging.getLogger("atlas.cblm.train")  # steps, losses, resumes: `atlas
 class TrainConfig:
     run_dir: str = ""
     name: str = "cblm"  # output folder: RUN/cblm/<name>
-    concepts: bool = True  # False: the baseline, the same backbone without the concept module
+    # the head on the backbone: "concepts" (the concept bottleneck), "prism" (PRISM prototypes, prism.py) or "none"
+    # (the baseline: the same backbone and budget, plain logits)
+    head: str = "concepts"
     # model
     objective: str = "ar"  # "ar" | "diffusion"
+    mixer: str = "attention"  # "attention" | "prototype" (the ProtoT mixer, mixer.py; AR only)
+    mixer_channels: int = 32
+    rope: str = "standard"  # "standard" | "pi" (signal/noise head pairs)
+    prototypes: int = 256  # head=prism: K prototypes, top-k routed
+    prototype_topk: int = 16
     seq_len: int = 128
     n_layer: int = 2
     n_head: int = 4
@@ -87,6 +94,7 @@ class TrainConfig:
     lambda_concept: float = 1.0
     lambda_rec: float = 1.0
     lambda_indep: float = 1.0
+    lambda_div: float = 0.0  # head=prism: the optional prototype diversity loss (its R1, R2, RES weights are 1)
     concept_aggregation: str = "token"  # "token" | "or" (the paper's): how the concept loss reads a chunk's labels
     lambda_known: float = 1.0  # the known readout (losses.known_readout_loss): W K_c learns c's words' log-lift
     alpha_floor_known: float = 0.5
@@ -112,7 +120,9 @@ class TrainConfig:
 
     def model_config(self, data: TokenData) -> ModelConfig:
         return ModelConfig(
-            vocab_size=data.vocab_size, n_concepts=data.n_concepts if self.concepts else 0, seq_len=self.seq_len,
+            vocab_size=data.vocab_size, n_concepts=data.n_concepts if self.head == "concepts" else 0,
+            prototypes=self.prototypes if self.head == "prism" else 0, prototype_topk=self.prototype_topk,
+            mixer=self.mixer, mixer_channels=self.mixer_channels, rope=self.rope, seq_len=self.seq_len,
             n_layer=self.n_layer, n_head=self.n_head, d_model=self.d_model, objective=self.objective,
             block_size=self.block_size, mask_id=data.model_id(MASK), unknown_ratio=self.unknown_ratio,
             unknown_rank=self.unknown_rank, topk_known=self.topk_known, p_eps=self.p_eps,
@@ -134,6 +144,8 @@ class TrainConfig:
             else:
                 parsed = {"int": int, "float": float}.get(kind, str)(value)
             setattr(config, key, parsed)
+        if config.head not in ("concepts", "prism", "none"):
+            raise ValueError(f"--set head={config.head}: expected concepts, prism or none")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", config.name) or ".." in config.name:
             # the name is a folder under RUN/cblm/: "../x" or "/x" must not write outside the run
             raise ValueError(f"name={config.name!r}: use letters, digits, '_', '-' and '.' only "
@@ -211,9 +223,22 @@ def model_folder(config: TrainConfig) -> Path:
     return Path(config.run_dir) / "cblm" / config.name
 
 
+HEADS = {
+    "concepts": lambda mc, n: f"concept module {n:,} for {mc.n_concepts} concepts",
+    "prism": lambda mc, n: f"PRISM head {n:,} for {mc.prototypes} prototypes (top {mc.prototype_topk})",
+    "none": lambda mc, n: "no head: the baseline",
+}
+# settings added after models were saved, whose defaults train exactly what those models were trained with
+BACKBONE_DEFAULTS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard", "prototypes": 256,
+                     "prototype_topk": 16, "lambda_div": 0.0}
+
+
 def changed_settings(saved: dict, config: TrainConfig) -> dict:
     """{setting: (saved, now)} for the settings that differ. run_dir is not compared: the model lives in
     RUN/cblm/<name>, so `runs/demo` and `/abs/path/runs/demo` name the same run."""
+    saved = {**BACKBONE_DEFAULTS, **saved}
+    if "concepts" in saved:  # saved when the head was a boolean `concepts`
+        saved["head"] = "concepts" if saved.pop("concepts") else "none"
     now = asdict(config)
     return {k: (saved.get(k), v) for k, v in now.items() if k != "run_dir" and saved.get(k) != v}
 
@@ -271,8 +296,9 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         log(f"resuming {out} at step {step}")
     counts = model.num_params()
     log(f"model: {counts['total']:,} parameters (backbone {counts['backbone']:,}, embedding {counts['embedding']:,} "
-        f"for {data.vocab_size:,} tokens, concept module {counts['concept_module']:,} for {data.n_concepts} concepts"
-        f"{'' if config.concepts else ': off, baseline'}); {len(data.train_windows):,} training windows, "
+        f"for {data.vocab_size:,} tokens, {HEADS[config.head](model.config, counts['concept_module'])}"
+        f"{'' if config.mixer == 'attention' else ', ProtoT mixer'}{'' if config.rope == 'standard' else ', pi-RoPE'})"
+        f"; {len(data.train_windows):,} training windows, "
         f"{len(data.val_windows):,} held out")
 
     def state_now(step: int) -> dict:
@@ -309,7 +335,8 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
                                                (config.lambda_respond, config.lambda_express))
         else:
             loss, losses, _ = compute(model, batch, alpha_known, alpha_unknown, lambdas,
-                                      lambda_known=config.lambda_known, log_unigram=log_unigram)
+                                      lambda_known=config.lambda_known, log_unigram=log_unigram,
+                                      lambda_div=config.lambda_div)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
