@@ -1,7 +1,8 @@
 """Text generation from a concept-bottleneck LM, with concept steering (paper 6.2).
 
 - AR models sample the next token repeatedly (temperature, top-k), recomputing the whole context each step (toy
-  models: no KV cache).
+  models: no KV cache). A ProtoT model (``mixer="prototype"``) runs its recurrent form instead: a fixed-size state
+  per layer, O(1) per token, and a context that is not cut at seq_len (its channels are discounted prefix means).
 - Diffusion models generate block by block, as causal diffusion decodes: the positions up to the next block boundary
   start as [MASK]; each denoising step predicts every masked position and keeps the most confident ones, until the
   block is full; then the next block. Earlier blocks are context (recomputed, not cached).
@@ -83,6 +84,16 @@ def generate(model: CBLM, prompt: list[int], max_new_tokens: int = 48, temperatu
     device = model.tok_emb.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor([prompt], dtype=torch.int64, device=device)
+    if model.config.mixer == "prototype":  # the recurrent form: O(1) time and memory per token, no window limit
+        state = model.initial_state(1)
+        for t in range(tokens.shape[1] - 1):
+            _, _, state = model.step(tokens[:, t], state, steer=steer)
+        for _ in range(max_new_tokens):
+            logits, _, state = model.step(tokens[:, -1], state, steer=steer)
+            logits[..., model.config.mask_id] = -float("inf")
+            token, _ = _sample(logits, temperature, top_k, generator)
+            tokens = torch.cat([tokens, token[None]], dim=1)
+        return tokens[0].tolist()
     if model.config.objective != "diffusion":
         for _ in range(max_new_tokens):
             logits, _ = model(tokens[:, -model.config.seq_len:], steer=steer)
