@@ -383,19 +383,22 @@ def test_schedules():
 
 # --- training, resume, generation, CLI -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("objective,steering", [("ar", False), ("diffusion", False), ("ar", True),
-                                                 ("diffusion", True)])
-def test_resume_gives_the_same_weights(tiny_run, objective, steering):
+@pytest.mark.parametrize("objective,steering,option", [
+    ("ar", False, ""), ("diffusion", False, ""), ("ar", True, ""), ("diffusion", True, ""),
+    ("ar", False, "head=prism"), ("ar", False, "mixer=prototype"), ("ar", False, "rope=pi")])
+def test_resume_gives_the_same_weights(tiny_run, objective, steering, option):
     """Killed after a checkpoint and resumed, twice, a run reaches the uninterrupted run's weights; with steering
-    phases the kills land before, inside and after the phases (steps 2, 4 of 12; phases at 3-4, 5-6, 7-8)."""
+    phases the kills land before, inside and after the phases (steps 2, 4 of 12; phases at 3-4, 5-6, 7-8). The same
+    for the PRISM head, the ProtoT mixer and pi-RoPE."""
     settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=6", "checkpoint_every=2", "eval_every=3",
-                       "steering=false"]
+                       "steering=false"] + ([option, "prototypes=8", "prototype_topk=3", "mixer_channels=4"]
+                                            if option else [])
     if steering:
         settings = TINY + [f"objective={objective}", "block_size=4", "max_steps=12", "checkpoint_every=2",
                            "eval_every=3", "steering=true", "steering_phases=3", "steering_phase_frac=0.17",
                            "alpha_warm_frac=0.25", "decay_frac=0.25", "steering_lifted=5"]
         assert steering_phases(TrainConfig.from_overrides(str(tiny_run), settings))[0][0] == 3
-    objective = f"{objective}{'-steer' if steering else ''}"
+    objective = f"{objective}{'-steer' if steering else ''}{option.replace('=', '-')}"
     whole = TrainConfig.from_overrides(str(tiny_run), settings + [f"name=whole-{objective}"])
     metrics = train(whole, log=lambda msg: None)
     parts = TrainConfig.from_overrides(str(tiny_run), settings + [f"name=parts-{objective}"])
@@ -406,6 +409,9 @@ def test_resume_gives_the_same_weights(tiny_run, objective, steering):
     b = load_file(tiny_run / "cblm" / f"parts-{objective}" / "checkpoint" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["val_loss"] == metrics["val_loss"]
+    if option == "head=prism":
+        assert 0 <= metrics["prototype_share"] <= 1 and 0 < metrics["prototype_active"] <= 3
+        return
     for key in ("val_loss", "concept_loss", "independence", "contribution", "detection_auc"):
         assert np.isfinite(metrics[key]), key
     assert 0 <= metrics["contribution"] <= 1

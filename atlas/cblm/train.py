@@ -349,7 +349,9 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
             rate = steps_this_call * config.batch_size * config.seq_len / (time.perf_counter() - started)
             log(f"step {step}/{config.max_steps}  loss {loss.item():.3f}  "
                 + "  ".join(f"{k} {v:.3f}" for k, v in last.items())
-                + f"  lr {lr:.2e}  alpha {alpha_known:.2f}/{alpha_unknown:.2f}{'  steering' if steering else ''}"
+                + f"  lr {lr:.2e}"
+                + (f"  alpha {alpha_known:.2f}/{alpha_unknown:.2f}" if model.concepts is not None else "")
+                + ("  steering" if steering else "")
                 + f"  {rate:,.0f} tok/s")
         if step % config.eval_every == 0 or step == config.max_steps:
             metrics = evaluate(model, data, batches=config.eval_batches, batch_size=config.batch_size,
@@ -360,7 +362,9 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
                 f.write(json.dumps(record) + "\n")
             log(f"step {step}: val loss {metrics['val_loss']:.4f}"
                 + (f", concept loss {metrics['concept_loss']:.4f}, contribution {metrics['contribution']:.3f}, "
-                   f"detection AUC {metrics['detection_auc']:.3f}" if "concept_loss" in metrics else ""))
+                   f"detection AUC {metrics['detection_auc']:.3f}" if "concept_loss" in metrics else "")
+                + (f", prototype share {metrics['prototype_share']:.3f}, nearest-prototype cos "
+                   f"{metrics['prototype_cos']:.3f}" if "prototype_share" in metrics else ""))
         if step % config.checkpoint_every == 0 or step == config.max_steps:
             checkpoint.save(out, model, optimizer, state_now(step))
             if stop_after is not None and steps_this_call >= stop_after:
