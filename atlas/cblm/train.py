@@ -97,6 +97,7 @@ class TrainConfig:
     lambda_div: float = 0.0  # head=prism: the optional prototype diversity loss (its R1, R2, RES weights are 1)
     concept_aggregation: str = "token"  # "token" | "or" (the paper's): how the concept loss reads a chunk's labels
     lambda_known: float = 1.0  # the known readout (losses.known_readout_loss): W K_c learns c's words' log-lift
+    known_unigram: bool = True  # the readout adds the corpus log-unigram (False: K carries the base rate as well)
     alpha_floor_known: float = 0.5
     alpha_floor_unknown: float = 0.5
     alpha_warm_frac: float = 0.1
@@ -229,14 +230,14 @@ HEADS = {
     "none": lambda mc, n: "no head: the baseline",
 }
 # settings added after models were saved, whose defaults train exactly what those models were trained with
-BACKBONE_DEFAULTS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard", "prototypes": 256,
-                     "prototype_topk": 16, "lambda_div": 0.0}
+ADDED_SETTINGS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard", "prototypes": 256,
+                     "prototype_topk": 16, "lambda_div": 0.0, "known_unigram": True}
 
 
 def changed_settings(saved: dict, config: TrainConfig) -> dict:
     """{setting: (saved, now)} for the settings that differ. run_dir is not compared: the model lives in
     RUN/cblm/<name>, so `runs/demo` and `/abs/path/runs/demo` name the same run."""
-    saved = {**BACKBONE_DEFAULTS, **saved}
+    saved = {**ADDED_SETTINGS, **saved}
     if "concepts" in saved:  # saved when the head was a boolean `concepts`
         saved["head"] = "concepts" if saved.pop("concepts") else "none"
     now = asdict(config)
@@ -302,11 +303,14 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         f"{len(data.val_windows):,} held out")
 
     def state_now(step: int) -> dict:
-        return {"step": step, "train_config": asdict(config), "model_config": model.config.to_dict(),
+        return {"step": step, "train_seconds": train_seconds, "train_config": asdict(config),
+                "model_config": model.config.to_dict(),
                 "vocab": data.vocab.tolist(), "n_concepts": data.n_concepts}
 
     lambdas = (config.lambda_concept, config.lambda_rec, config.lambda_indep)
     log_unigram = data.log_unigram().to(config.device) if config.lambda_known > 0 else None
+    if log_unigram is not None and not config.known_unigram:  # the readout's K must carry the words' base rate too
+        log_unigram = torch.zeros_like(log_unigram)
     phases = steering_phases(config) if model.concepts is not None else []
     steering_data = None
     if config.steering and model.concepts is not None and not phases:
@@ -318,6 +322,8 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
             f"{config.steering_tau:g} from layer {injection_layer(model.config)}; {steering_data.supported} of "
             f"{data.n_concepts} concepts have a lifted set of up to {config.steering_lifted} tokens)")
     started, steps_this_call, last = time.perf_counter(), 0, {}
+    # time in forward, backward and update only (not evaluation or checkpoints), summed over resumed calls
+    train_seconds = saved.get("train_seconds", 0.0) if saved else 0.0
     while step < config.max_steps:
         # schedules and randomness are functions of the step
         lr = lr_at(step, config)
@@ -328,6 +334,7 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         torch.manual_seed(config.seed * 1_000_003 + step)
 
         # forward, backward, update
+        step_started = time.perf_counter()
         model.train()
         batch = data.batch(data.train_batch(step, config.batch_size, config.seed)).to(config.device)
         if steering:
@@ -341,9 +348,10 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
+        last = {k: v.item() for k, v in losses.items()}  # (.item() waits for the GPU: the step's time is all in)
+        train_seconds += time.perf_counter() - step_started
         step += 1
         steps_this_call += 1
-        last = {k: v.item() for k, v in losses.items()}
 
         if step % config.log_every == 0 or step == config.max_steps:
             rate = steps_this_call * config.batch_size * config.seq_len / (time.perf_counter() - started)
@@ -372,6 +380,8 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
 
     metrics = evaluate(model, data, batches=None, batch_size=config.batch_size, device=config.device,
                        seed=config.seed, alignment=True)
-    metrics.update(step=step, parameters=model.num_params(), train_tokens=step * config.batch_size * config.seq_len)
+    train_tokens = step * config.batch_size * config.seq_len
+    metrics.update(step=step, parameters=model.num_params(), train_tokens=train_tokens, train_seconds=train_seconds,
+                   tokens_per_second=train_tokens / max(train_seconds, 1e-9))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
