@@ -68,7 +68,7 @@ RECIPES = {
     "paper": ["concept_aggregation=or", "lambda_known=0", "steering=false"],  # OR-aggregated concept loss only
 }
 
-# The interpretable models of the seeds, as --set overrides (baseline and concepts share the recipes' models).
+# The interpretable models of the seeds, as --set overrides; trained into RUN/cblm/bench-<objective>-arch-<name>.
 ARCHITECTURES = {
     "baseline": ["head=none"],
     "concepts": RECIPES["atlas"],
@@ -76,7 +76,6 @@ ARCHITECTURES = {
     "protot": ["head=none", "mixer=prototype"],  # R = 32 channels per layer
     "pi-rope": ["head=none", "rope=pi"],
 }
-ARCHITECTURE_MODEL = {"baseline": "baseline", "concepts": "atlas"}  # the names the recipe comparison trains
 
 METRICS = ("val_loss", "concept_loss", "independence", "contribution", "contribution_known", "known_share",
            "detection_auc", "alignment_overlap", "alignment_overlap_random_concept", "alignment_overlap_centered",
@@ -115,7 +114,7 @@ def compare_architectures(args, base: list[str], names: list[str]) -> None:
     """Train (or reuse) one model per architecture at the same budget and print one table."""
     results = {}
     for name in names:
-        folder = f"bench-{args.objective}-{ARCHITECTURE_MODEL.get(name, 'arch-' + name)}"
+        folder = f"bench-{args.objective}-arch-{name}"
         if args.fresh:
             shutil.rmtree(Path(args.run) / "cblm" / folder, ignore_errors=True)
         config = TrainConfig.from_overrides(args.run, base + ARCHITECTURES[name] + [f"name={folder}"])

@@ -256,6 +256,19 @@ def nearest_training_chunks(run_dir: str | Path, transducer: Transducer, states:
             for score_row, row in zip(scores, rows)]
 
 
+def chunk_documents(run_dir: str | Path, chunk_ids) -> dict[str, str]:
+    """The document (doc_id) of each of ``chunk_ids``, from the run's embeddings store, the record of every chunk
+    that ``nearest_training_chunks`` reads its results from; {} when the run has no store (no annotate stage)."""
+    from atlas.io.embedding_store import open_embeddings
+
+    try:
+        store = open_embeddings(run_dir)
+    except FileNotFoundError:
+        return {}
+    wanted = set(chunk_ids)
+    return {str(c): str(d) for c, d in zip(store["chunk_id"][:], store["doc_id"][:]) if c in wanted}
+
+
 def transducer_recall(run_dir: str | Path, transducer: Transducer, states: np.ndarray, chunk_ids: list[str],
                       k: int = 10, nprobe: int = 16, index_folder: str | Path | None = None) -> float:
     """Self-retrieval: the share of chunks (states [Q, d], their ``chunk_ids``) found among their own top ``k``."""
@@ -266,8 +279,17 @@ def transducer_recall(run_dir: str | Path, transducer: Transducer, states: np.nd
 def transducer_key(run_dir: str | Path, model_folder: str | Path, settings: dict) -> str:
     """What a fitted transducer depends on: the model's weights (sha256 of its checkpoint), the fitting settings and
     the index it maps into (the run's annotate and index stage hashes)."""
-    from atlas.cblm import checkpoint
     from atlas.core.rundir import RunDir
+
+    stages = RunDir(run_dir).read_manifest().get("stages", {})
+    upstream = {name: stages.get(name, {}).get("hash") for name in ("annotate", "index")}
+    return hashlib.sha256(json.dumps([checkpoint_digest(model_folder), settings, upstream],
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_digest(model_folder: str | Path) -> str:
+    """sha256 of the weights of the model in ``model_folder``: what a result derived from the model depends on."""
+    from atlas.cblm import checkpoint
 
     found = checkpoint.find(Path(model_folder))
     if found is None:
@@ -276,9 +298,7 @@ def transducer_key(run_dir: str | Path, model_folder: str | Path, settings: dict
     with open(found / "model.safetensors", "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    stages = RunDir(run_dir).read_manifest().get("stages", {})
-    upstream = {name: stages.get(name, {}).get("hash") for name in ("annotate", "index")}
-    return hashlib.sha256(json.dumps([digest.hexdigest(), settings, upstream], sort_keys=True).encode()).hexdigest()
+    return digest.hexdigest()
 
 
 def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hidden: int = 256, steps: int = 1000,

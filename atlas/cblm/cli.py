@@ -5,6 +5,7 @@
     atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 0.5 [--compare]]
     atlas cblm tda RUN/cblm/<name> [--force]       fit the transducer into the run's index (training-data attribution)
     atlas cblm attribute RUN/cblm/<name> "text"    the concepts behind a text's logits, and its nearest training chunks
+    atlas cblm prototypes RUN/cblm/<name>          a PRISM model: mine its prototypes' neighbours, write their cards
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ EXAMPLES = """examples:
 --strength 0.5 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"
+  atlas cblm train runs/demo --name prism --set head=prism     # the PRISM prototype head instead of concepts
+  atlas cblm prototypes runs/demo/cblm/prism --measure 200      # neighbours, cards, attribution measured
+  atlas cblm generate runs/demo/cblm/prism --prompt "The function" --category numbers --strength 0.5
 """
 
 
@@ -125,6 +129,20 @@ def cmd_eval(args) -> int:
         print(format_steering(result))
         if reference is None:
             print("(quality: the model's own perplexity; --reference RUN/cblm/baseline scores it with the baseline)")
+    if args.diagnostics:
+        import sys
+
+        from atlas.cblm.diagnostics import diagnose, format_diagnostics
+        from atlas.cblm.generate import Codec
+
+        result = diagnose(model, data, Codec(state["vocab"]), windows=args.diag_windows,
+                          sentence=args.repeat_sentence, seeds=args.repeat_seeds,
+                          repeats=tuple(int(n) for n in args.repeat_n.split(",")),
+                          log=lambda message: print(message, file=sys.stderr, flush=True))
+        print(format_diagnostics(result))
+        path = Path(args.model) / "diagnostics.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(f"diagnostics in {path}")
     return 0
 
 
@@ -134,6 +152,8 @@ def cmd_generate(args) -> int:
 
     model, state = checkpoint.load(Path(args.model), args.device)
     codec = Codec(state["vocab"])
+    if args.prototype is not None or args.category:
+        return _generate_with_prototypes(args, model, codec)
     steer = concept = None
     if args.steer:
         concepts = _concepts(Path(_run_dir(args.model, state)))
@@ -169,6 +189,40 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_with_prototypes(args, model, codec) -> int:
+    """`generate --prototype I` / `--category NAME`: the same samples without and with the logit edit."""
+    from atlas.cblm.generate import generate
+    from atlas.cblm.prototypes import category_edit, find_category, load_cards, prototype_edit
+
+    if args.steer or (args.prototype is not None and args.category):
+        raise SystemExit("error: give one of --steer (a concept model), --prototype or --category (a PRISM model)")
+    if model.prism is None:
+        raise SystemExit("error: --prototype and --category edit a PRISM model's prototypes; this model has none "
+                         "(train one with --set head=prism)")
+    try:
+        cards = load_cards(args.model)  # names the prototype; --category needs them
+    except FileNotFoundError:
+        cards = None
+    try:
+        if args.prototype is not None:
+            edit = prototype_edit(model, args.prototype, args.strength)
+            named = f" ({cards[args.prototype]['name']}, {cards[args.prototype]['category']})" if cards else ""
+            print(f"prototype {args.prototype}{named} clamped to {args.strength:g} of the top-1 logit")
+        else:
+            category = find_category(args.category)
+            members = [card["prototype"] for card in cards or load_cards(args.model) if card["category"] == category]
+            edit = category_edit(model, members, args.strength)
+            print(f"category {category!r} ({len(members)} prototypes): {args.strength:+g} x the top-1 logit")
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    ids, _ = codec.encode(args.prompt)
+    for s in range(args.samples):
+        runs = [generate(model, ids, args.max_new_tokens, args.temperature, seed=args.seed + s, logit_edit=e)
+                for e in (None, edit)]
+        print(f"--- sample {s}, before ---\n{codec.decode(runs[0])}\n--- after ---\n{codec.decode(runs[1])}")
+    return 0
+
+
 def cmd_attribute(args) -> int:
     import torch
 
@@ -184,6 +238,17 @@ def cmd_attribute(args) -> int:
     from atlas.cblm.generate import Codec
 
     model, state = checkpoint.load(Path(args.model), args.device)
+    if model.prism is not None:
+        from atlas.cblm.prototypes import explain, load_cards, load_neighbours
+
+        try:
+            neighbours, cards = load_neighbours(args.model), load_cards(args.model)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
+        codec = Codec(state["vocab"])
+        ids = codec.encode(args.text)[0][: model.config.seq_len + 1]
+        print(explain(model, neighbours, ids, codec, _run_dir(args.model, state), cards, args.top))
+        return 0
     if model.concepts is None:
         raise SystemExit("error: this model has no concept module (a baseline): nothing to attribute")
     codec = Codec(state["vocab"])
@@ -232,10 +297,56 @@ def cmd_tda(args) -> int:
     return 0
 
 
+def cmd_prototypes(args) -> int:
+    import random
+
+    from atlas.cblm import checkpoint
+    from atlas.cblm.attribution import TRANSDUCER, load_transducer
+    from atlas.cblm.data import TokenData
+    from atlas.cblm.prototypes import (
+        cards,
+        format_card,
+        format_measurement,
+        measure_attribution,
+        mine_or_load,
+        write_cards,
+    )
+
+    model, state = checkpoint.load(Path(args.model), args.device)
+    if model.prism is None:
+        raise SystemExit(f"error: {args.model} has no PRISM head (it was trained with head="
+                         f"{state['train_config'].get('head', 'concepts')}); prototypes need --set head=prism")
+    run_dir = _run_dir(args.model, state)
+    data = TokenData(run_dir, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
+    neighbours, reused = mine_or_load(
+        args.model, model, data, args.top, args.windows, args.batch_size, args.seed, force=args.force,
+        step=state.get("step"), progress=lambda done, total: print(f"  mined {done:,}/{total:,} windows", flush=True))
+    folder = Path(args.model) / "prototypes"
+    print(f"{'kept' if reused else 'mined'} the {args.top} nearest training tokens of {model.config.prototypes} "
+          f"prototypes in {folder / 'neighbours.parquet'}" + (" (same checkpoint and settings)" if reused else ""))
+    try:
+        names = _concept_names(Path(run_dir))
+    except FileNotFoundError:
+        names = None
+    result = cards(model, data, neighbours, names)
+    print(f"{len(result)} cards in {write_cards(args.model, result)}")
+    for card in random.Random(args.seed).sample(result, min(args.cards, len(result))):
+        print(format_card(card))
+    if args.measure:
+        folder = Path(args.model) / TRANSDUCER
+        transducer = load_transducer(folder, args.device) if (folder / "config.json").exists() else None
+        print(format_measurement(measure_attribution(model, data, neighbours, args.measure, seed=args.seed,
+                                                     run_dir=run_dir, transducer=transducer)))
+        if transducer is None:
+            print(f"(no transducer in {folder}: `atlas cblm tda {args.model}` fits one, for the ivfpq column)")
+    return 0
+
+
 def add_parser(sub) -> None:
     parser = sub.add_parser("cblm", help="the concept-bottleneck LM: train, eval, generate (steer), tda, attribute",
                             epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cblm = parser.add_subparsers(dest="cblm_command", required=True, metavar="{train,eval,generate,tda,attribute}")
+    cblm = parser.add_subparsers(dest="cblm_command", required=True,
+                                 metavar="{train,eval,generate,tda,attribute,prototypes}")
 
     p = cblm.add_parser("train", help="train (or resume) on a run's token shards -> RUN/cblm/<name>",
                         epilog="settings (--set KEY=VALUE): see atlas/cblm/train.py TrainConfig. Steering training "
@@ -259,6 +370,21 @@ def add_parser(sub) -> None:
                                                         "(e.g. RUN/cblm/baseline; default: the model itself)")
     p.add_argument("--strengths", default="0.25,0.5,1", help="with --steering: the strengths tau (comma-separated)")
     p.add_argument("--concepts", type=int, default=24, help="with --steering: how many random concepts")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="also diagnostics (atlas/cblm/diagnostics.py), saved to MODEL/diagnostics.json: attention "
+                        "entropy and sink share per layer and head type (signal/noise with rope=pi), or the ProtoT "
+                        "routing metrics and prototype-disruption effects; and the repetition-escape temperature "
+                        "T_c (generation: the slow part, about a minute for the demo model)")
+    p.add_argument("--diag-windows", type=int, default=64, metavar="N",
+                   help="with --diagnostics: how many held-out windows the attention and routing metrics read")
+    p.add_argument("--repeat-sentence", metavar="TEXT", help="with --diagnostics: the sentence s of the repetition "
+                                                             "prompt 's. s. ... s.' (default 'A little alarm clock', "
+                                                             "or 'A little black cat' if the vocabulary lacks a "
+                                                             "token of it)")
+    p.add_argument("--repeat-n", default="2,5,10", metavar="N,N",
+                   help="with --diagnostics: how many times s is repeated (comma-separated)")
+    p.add_argument("--repeat-seeds", type=int, default=10, metavar="K",
+                   help="with --diagnostics: samples per temperature (escape rates are in steps of 1/K)")
     p.set_defaults(fn=cmd_eval)
 
     p = cblm.add_parser("generate", help="continue a prompt, optionally steered toward (or away from) a concept")
@@ -267,7 +393,13 @@ def add_parser(sub) -> None:
     p.add_argument("--steer", help="a concept of the run's library: its name (any case) or its id")
     p.add_argument("--strength", type=float, default=0.5,
                    help="tau: > 0 amplifies, < 0 suppresses (a steering-trained model: 0.25-1; larger repeats the "
-                        "concept's words)")
+                        "concept's words); with --prototype or --category: the fraction f of the top-1 logit "
+                        "(-1 to 1)")
+    p.add_argument("--prototype", type=int, metavar="I", help="a PRISM model: clamp prototype I at every token so "
+                   "that its largest logit contribution is --strength times the top-1 logit (0 removes it)")
+    p.add_argument("--category", metavar="NAME", help="a PRISM model: add --strength times the top-1 logit along the "
+                   "summed signatures of the active prototypes whose card has this category (e.g. numbers, "
+                   "punctuation, function, pieces, names, content; cards from `atlas cblm prototypes`)")
     p.add_argument("--layer", type=int, default=None, help="inject from this layer on (default: n_layer // 2)")
     p.add_argument("--compare", action="store_true", help="with and without steering, and the concept's "
                                                           "lifted-token frequency in each")
@@ -287,9 +419,32 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=cmd_tda)
 
-    p = cblm.add_parser("attribute", help="the known concepts behind a text's next-token logits (exact)")
+    p = cblm.add_parser("attribute", help="the known concepts behind a text's next-token logits (exact); for a PRISM "
+                                          "model its prototypes and the training chunks they were mined from")
     p.add_argument("model", help="RUN/cblm/<name>")
     p.add_argument("text")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=cmd_attribute)
+
+    p = cblm.add_parser("prototypes", help="a PRISM model: mine each prototype's nearest training tokens, write "
+                                           "prototype cards, measure the one-pass training-data attribution",
+                        description="Mines, in one pass over the training windows, each prototype's --top nearest "
+                                    "input positions (by cosine) into MODEL/prototypes/neighbours.parquet (kept when "
+                                    "mined from the same checkpoint with the same settings), writes a card per "
+                                    "prototype (top logit tokens, contexts, name, category, Atlas concept, usage) to "
+                                    "MODEL/prototypes/cards.json and prints --cards random cards.")
+    p.add_argument("model", help="RUN/cblm/<name>, trained with --set head=prism")
+    p.add_argument("--top", type=int, default=16, help="neighbours kept per prototype (L)")
+    p.add_argument("--cards", type=int, default=10, help="how many random cards to print")
+    p.add_argument("--windows", type=int, default=None, metavar="N",
+                   help="mine N random training windows instead of all (the source: ~1%% of the data suffices)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass while mining")
+    p.add_argument("--measure", type=int, default=0, metavar="N",
+                   help="also measure the attribution on N held-out positions against random chunks and the "
+                        "transducer into the IVFPQ index (fitted by `atlas cblm tda MODEL`)")
+    p.add_argument("--force", action="store_true", help="mine again even when the saved neighbours match")
+    p.add_argument("--seed", type=int, default=0, help="draws --windows, the printed cards and the measured "
+                                                       "positions")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(fn=cmd_prototypes)

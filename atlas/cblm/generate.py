@@ -13,11 +13,16 @@ hidden state after every layer >= L_inj (at the masked positions for diffusion, 
 gamma = tau / peak(e) and peak(e) = max_y e.W_y, so one strength tau means the same for every concept. A negative
 tau suppresses: the injection is negative and the logits get the ReLU-gated mask l_v -= (|tau| / peak) ReLU(W_v.e),
 which lowers the tokens aligned with the concept without raising the anti-aligned ones.
+
+Logit edits (AR models): ``generate(..., logit_edit=f)`` calls f(logits [1, V], parts) at every generated token, with
+the head's parts at that position (e.g. PRISM's prototype activations), and samples from what it returns. The PRISM
+prototype interventions (``prototypes.py``) are such edits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -76,10 +81,22 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, generator: tor
     return token, probs.gather(-1, token[:, None])[:, 0]
 
 
+def _last(parts):
+    """The head's parts (a dataclass of [B, T, ...] tensors, or None) at the last position: [B, ...]."""
+    if parts is None:
+        return None
+    return dataclasses.replace(parts, **{f.name: getattr(parts, f.name)[:, -1] for f in dataclasses.fields(parts)
+                                         if isinstance(getattr(parts, f.name), torch.Tensor)})
+
+
 @torch.no_grad()
 def generate(model: CBLM, prompt: list[int], max_new_tokens: int = 48, temperature: float = 1.0, top_k: int = 50,
-             steer: Steering | None = None, seed: int = 0, steps_per_block: int | None = None) -> list[int]:
-    """``prompt`` (model ids) followed by ``max_new_tokens`` generated ones."""
+             steer: Steering | None = None, seed: int = 0, steps_per_block: int | None = None,
+             logit_edit: Callable | None = None) -> list[int]:
+    """``prompt`` (model ids) followed by ``max_new_tokens`` generated ones. ``logit_edit(logits [1, V], parts)``
+    (AR models): the logits each token is sampled from, given those of the model and the head's parts there."""
+    if logit_edit is not None and model.config.objective == "diffusion":
+        raise ValueError("logit_edit: AR models only (a diffusion model predicts many positions per step)")
     model.eval()
     device = model.tok_emb.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -89,16 +106,21 @@ def generate(model: CBLM, prompt: list[int], max_new_tokens: int = 48, temperatu
         for t in range(tokens.shape[1] - 1):
             _, _, state = model.step(tokens[:, t], state, steer=steer)
         for _ in range(max_new_tokens):
-            logits, _, state = model.step(tokens[:, -1], state, steer=steer)
+            logits, parts, state = model.step(tokens[:, -1], state, steer=steer)
+            if logit_edit is not None:
+                logits = logit_edit(logits, parts)
             logits[..., model.config.mask_id] = -float("inf")
             token, _ = _sample(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, token[None]], dim=1)
         return tokens[0].tolist()
     if model.config.objective != "diffusion":
         for _ in range(max_new_tokens):
-            logits, _ = model(tokens[:, -model.config.seq_len:], steer=steer)
+            logits, parts = model(tokens[:, -model.config.seq_len:], steer=steer)
+            logits = logits[:, -1]
+            if logit_edit is not None:
+                logits = logit_edit(logits, _last(parts))
             logits[..., model.config.mask_id] = -float("inf")  # [MASK] is never text
-            token, _ = _sample(logits[:, -1], temperature, top_k, generator)
+            token, _ = _sample(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, token[None]], dim=1)
         return tokens[0].tolist()
 
