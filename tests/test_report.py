@@ -80,6 +80,10 @@ def hostile_run(trained, tmp_path_factory):
     model = root / "cblm" / "toy"
     model.mkdir(parents=True)
     (model / "metrics.json").write_text(json.dumps({"val_loss": 6.5, "step": 20, "parameters": {"total": 1000}}))
+    (model / "checkpoint").mkdir()
+    (model / "checkpoint" / "state.json").write_text(json.dumps({"train_config": {
+        "head": "prism", "prototypes": 64, "mixer": "prototype", "rope": "standard", "objective": "ar", "d_model": 16,
+        "n_layer": 2}}))
     write_jsonl(model / "log.jsonl", [{"step": s, "train": {"lm": 8 - s / 10}, "val": {"val_loss": 8 - s / 20}}
                                       for s in (10, 20)])
     return root
@@ -100,7 +104,8 @@ def test_report_of_a_trained_run_is_self_contained_and_escaped(hostile_run, caps
     assert "&lt;script&gt;alert(&#x27;name&#x27;)" in page and "&lt;script&gt;alert(&#x27;reject&#x27;)" in page
     text = "".join(parser.text)
     for expected in ("k_sweep.png", "Held-out retrieval vs baselines", "recall@10", "Decision rule",
-                     "schema_violation", "toy: loss (log.jsonl)", "val_loss"):
+                     "schema_violation", "toy: loss (log.jsonl)", "val_loss",
+                     "PRISM, 64 prototypes; ProtoT mixer; ar, d 16 x 2 layers"):
         assert expected in text, expected
     assert "stage index has not run yet" in text
 

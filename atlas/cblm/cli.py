@@ -1,7 +1,7 @@
 """``atlas cblm ...``: train, evaluate, generate from and steer the concept-bottleneck LM.
 
     atlas cblm train RUN [--name cblm] [--baseline] [--set d_model=128 ...] [--force]   -> RUN/cblm/<name>/
-    atlas cblm eval RUN/cblm/<name> [--steering [--reference RUN/cblm/baseline] [--strengths 2,4,8]]
+    atlas cblm eval RUN/cblm/<name> [--steering [--reference RUN/cblm/baseline] [--strengths 2,4,8]] [--diagnostics]
     atlas cblm generate RUN/cblm/<name> --prompt "..." [--steer "concept name" --strength 0.5 [--compare]]
     atlas cblm tda RUN/cblm/<name> [--force]       fit the transducer into the run's index (training-data attribution)
     atlas cblm attribute RUN/cblm/<name> "text"    the concepts behind a text's logits, and its nearest training chunks
@@ -27,6 +27,8 @@ EXAMPLES = """examples:
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"
   atlas cblm train runs/demo --name prism --set head=prism     # the PRISM prototype head instead of concepts
   atlas cblm prototypes runs/demo/cblm/prism --measure 200      # neighbours, cards, attribution measured
+  atlas cblm train runs/demo --name protot --baseline --set mixer=prototype   # ProtoT: no attention, O(1) per token
+  atlas cblm eval runs/demo/cblm/protot --diagnostics   # routing, prototype disruption, repetition escape T_c
   atlas cblm generate runs/demo/cblm/prism --prompt "The function" --category numbers --strength 0.5
 """
 
@@ -351,7 +353,10 @@ def add_parser(sub) -> None:
     p = cblm.add_parser("train", help="train (or resume) on a run's token shards -> RUN/cblm/<name>",
                         epilog="settings (--set KEY=VALUE): see atlas/cblm/train.py TrainConfig. Steering training "
                                "(paper 10.2.4) is on: the log names its phases; --set steering=false skips it, "
-                               "--set steering_tau=X sets the strength it trains at")
+                               "--set steering_tau=X sets the strength it trains at. Other models of the seeds: "
+                               "--set head=prism (PRISM prototypes instead of concepts; head=none is --baseline), "
+                               "--set mixer=prototype (the ProtoT mixer instead of attention; AR only), --set "
+                               "rope=pi (signal/noise RoPE head pairs); the mixer and rope combine with any head")
     p.add_argument("run_dir", help="a run directory with token shards and a library")
     p.add_argument("--name", help="output folder under RUN/cblm (default: cblm, or baseline with --baseline)")
     p.add_argument("--baseline", action="store_true", help="no concept module: the same backbone and budget")

@@ -328,6 +328,19 @@ def _val_losses(name: str, config: dict, metrics: dict | None, entries: list[dic
             "forcing and dropout on.</p>")
 
 
+def _architecture(config: dict) -> str:
+    """The model's head and backbone in a few words, from its training settings (older ones: `concepts` true/false)."""
+    if not config:
+        return "?"
+    head = config.get("head") or ("concepts" if config.get("concepts", True) else "none")
+    head = {"none": "baseline (no head)", "prism": f"PRISM, {config.get('prototypes')} prototypes"}.get(
+        head, "concept bottleneck")
+    mixer = "ProtoT mixer" if config.get("mixer") == "prototype" else "attention"
+    rope = ", pi-RoPE" if config.get("rope") == "pi" else ""
+    size = f"d {config.get('d_model')} x {config.get('n_layer')} layers"
+    return f"{head}; {mixer}{rope}; {config.get('objective', 'ar')}, {size}"
+
+
 def _cblm(run) -> str:
     """The trained models side by side (final metrics, one column each), then their loss curves (log.jsonl)."""
     models, figures, notes = {}, [], []
@@ -335,9 +348,11 @@ def _cblm(run) -> str:
         metrics, log = _read_json(folder / "metrics.json"), folder / "log.jsonl"
         if metrics is None and not log.exists():
             continue
-        models[folder.name] = _flat(metrics or {"status": "no metrics.json yet (still training?)"})
+        config = _train_config(folder)
+        models[folder.name] = {"model": _architecture(config),
+                               **_flat(metrics or {"status": "no metrics.json yet (still training?)"})}
         entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
-        notes.append(_val_losses(folder.name, _train_config(folder), metrics, entries))
+        notes.append(_val_losses(folder.name, config, metrics, entries))
         if len(entries) > 1:  # one point is no curve; the table has its numbers
             series = {"train lm (that step's batch)": [e.get("train", {}).get("lm") for e in entries],
                       "val loss (first held-out windows, log.jsonl)": [e.get("val", {}).get("val_loss")
