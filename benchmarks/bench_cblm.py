@@ -64,8 +64,9 @@ PRESETS = {
 
 # Concept-model recipes, as --set overrides of the TrainConfig defaults.
 RECIPES = {
-    "atlas": [],  # token-level concept loss, known readout, steering training (the defaults)
-    "paper": ["concept_aggregation=or", "lambda_known=0", "steering=false"],  # OR-aggregated concept loss only
+    "atlas": [],  # token-level concept loss, known readout, steering training, p_eps 0.7 (the defaults)
+    # the paper's OR-aggregated concept loss and residual dropout, no readout, no steering training
+    "paper": ["concept_aggregation=or", "lambda_known=0", "steering=false", "p_eps=0.3"],
 }
 
 # The interpretable models of the seeds, as --set overrides; trained into RUN/cblm/bench-<objective>-arch-<name>.
