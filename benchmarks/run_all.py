@@ -52,6 +52,11 @@ BENCHMARKS = [
      ["--set", "max_steps=50", "--set", "batch_size=4", "--set", "val_fraction=0.02", "--strengths", "0.5",
       "--prompt", "The"], [],
      ["{run}/tokens", "{run}/library"]),
+    # the seeds' interpretable models at one budget: plain, concept bottleneck, PRISM, ProtoT, pi-RoPE
+    ("cblm-models", ["bench_cblm.py", "--run", "{run}", "--fresh", "--architectures",
+                     "baseline,concepts,prism,protot,pi-rope"],
+     ["--set", "max_steps=50", "--set", "batch_size=4", "--set", "val_fraction=0.02"], [],
+     ["{run}/tokens", "{run}/library"]),
 ]
 
 

@@ -9,19 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cblm import one_thread  # noqa: F401  (autouse: one torch thread)
 
 from atlas.cblm.generate import generate
 from atlas.cblm.mixer import PrototypeMixer, routing_metrics
 from atlas.cblm.model import CBLM, ModelConfig, pi_rope_tables, rope_tables
 from atlas.cblm.prism import PrototypeHead, decompose, prism_losses
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def model_with(**options) -> CBLM:
