@@ -73,7 +73,7 @@ RECIPES = {
 ARCHITECTURES = {
     "baseline": ["head=none"],
     "concepts": RECIPES["atlas"],
-    "prism": ["head=prism"],  # 256 prototypes, top 16
+    "prism": ["head=prism"],  # 256 prototypes, top 16, L_DIV on
     "protot": ["head=none", "mixer=prototype"],  # R = 32 channels per layer
     "pi-rope": ["head=none", "rope=pi"],
 }

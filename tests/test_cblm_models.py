@@ -109,7 +109,7 @@ def test_prism_routing_and_losses_by_hand():
     # cos rows: [1, 0, -1] and [1/sqrt2, 1/sqrt2, -1/sqrt2]; a = ReLU(2 cos), top 2
     assert torch.allclose(parts.alpha, torch.tensor([[[2.0, 0.0, 0.0], [math.sqrt(2), math.sqrt(2), 0.0]]]))
     assert torch.allclose(parts.z_hat, torch.tensor([[[2.0, 0.0], [math.sqrt(2), 2 * math.sqrt(2)]]]))
-    losses = prism_losses(head, parts, lambda_div=1.0)
+    losses = prism_losses(head, parts, diversity=True)
     # R1: each prototype's best cos over the 2 tokens: 1, 1/sqrt2, -1/sqrt2; R2: each token's best: 1, 1/sqrt2
     assert losses["r1"].item() == pytest.approx(-(1 + 1 / math.sqrt(2) - 1 / math.sqrt(2)) / 3)
     assert losses["r2"].item() == pytest.approx(-(1 + 1 / math.sqrt(2)) / 2)

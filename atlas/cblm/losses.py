@@ -180,11 +180,12 @@ def _inputs(model, batch, generator: torch.Generator | None = None):
 
 def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, lambdas=(1.0, 1.0, 1.0),
             generator: torch.Generator | None = None, lambda_known: float = 0.0,
-            log_unigram: torch.Tensor | None = None, lambda_div: float = 0.0):
+            log_unigram: torch.Tensor | None = None, lambdas_prism=(1.0, 0.0)):
     """One forward pass on ``batch`` and every loss. Returns (total, {name: value}, extras) where extras holds what
     the metrics need: the logits, targets, positions scored, bottleneck parts and chunk rows/labels.
     ``lambda_known`` > 0 adds ``known_readout_loss`` (``log_unigram``: the training windows' log unigram, [V]).
-    A PRISM model adds its losses (``prism.prism_losses``) with unit weights, and ``lambda_div`` L_DIV."""
+    A PRISM model adds its losses (``prism.prism_losses``): ``lambdas_prism`` = (weight of L_R1, L_R2 and L_RES,
+    weight of L_DIV)."""
     T = model.config.seq_len
     inputs, targets, scored, target_rows = _inputs(model, batch, generator)
     # Only the chunks that have a token among the inputs take part in the concept loss.
@@ -195,9 +196,10 @@ def compute(model, batch, alpha_known: float = 0.0, alpha_unknown: float = 0.0, 
     losses = {"lm": lm_loss(logits, targets, scored)}
     total = losses["lm"]
     if isinstance(parts, PrototypeParts):
-        prism = prism_losses(model.prism, parts, lambda_div)
+        lambda_prism, lambda_div = lambdas_prism
+        prism = prism_losses(model.prism, parts, diversity=lambda_div > 0)
         losses.update(prism)
-        total = total + sum(prism.values())
+        total = total + lambda_prism * (prism["r1"] + prism["r2"] + prism["res"]) + lambda_div * prism.get("div", 0.0)
     elif parts is not None:
         lambda_concept, lambda_rec, lambda_indep = lambdas
         losses["concept"] = concept_loss(parts.known_logits, rows, labels,

@@ -60,16 +60,16 @@ class PrototypeHead(nn.Module):
         return PrototypeParts(z, cos, alpha, z_hat, z - z_hat)
 
 
-def prism_losses(head: PrototypeHead, parts: PrototypeParts, lambda_div: float = 0.0) -> dict[str, torch.Tensor]:
-    """The PRISM losses of a batch (all positions of the batch are I(B))."""
+def prism_losses(head: PrototypeHead, parts: PrototypeParts, diversity: bool = False) -> dict[str, torch.Tensor]:
+    """The PRISM losses of a batch, unweighted (all positions of the batch are I(B)); L_DIV with ``diversity``."""
     cos = parts.cos.reshape(-1, parts.cos.shape[-1]).float()  # [N, K]
     losses = {"r1": -cos.max(0).values.mean(), "r2": -cos.max(1).values.mean(),
               "res": parts.residual.float().pow(2).mean()}
-    if lambda_div > 0:
+    if diversity:
         unit = F.normalize(head.prototypes.float(), dim=-1)
         gram = unit @ unit.T
         k = len(gram)
-        losses["div"] = lambda_div * (gram.pow(2).sum() - gram.diagonal().pow(2).sum()) / (k * (k - 1))
+        losses["div"] = (gram.pow(2).sum() - gram.diagonal().pow(2).sum()) / (k * (k - 1))
     return losses
 
 

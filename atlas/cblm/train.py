@@ -96,7 +96,10 @@ class TrainConfig:
     lambda_concept: float = 1.0
     lambda_rec: float = 1.0
     lambda_indep: float = 1.0
-    lambda_div: float = 0.0  # head=prism: the optional prototype diversity loss (its R1, R2, RES weights are 1)
+    lambda_prism: float = 1.0  # head=prism: the weight of L_R1 + L_R2 + L_RES (the source's: 1)
+    # head=prism: the weight of the diversity loss L_DIV, optional in the source; without it, 150 of 256 prototypes sat
+    # on the same end-of-chunk state (cpu preset, 600 steps); with it, no name is shared by more than 9
+    lambda_div: float = 1.0
     concept_aggregation: str = "token"  # "token" | "or" (the paper's): how the concept loss reads a chunk's labels
     lambda_known: float = 1.0  # the known readout (losses.known_readout_loss): W K_c learns c's words' log-lift
     alpha_floor_known: float = 0.5
@@ -232,7 +235,7 @@ HEADS = {
 }
 # settings added after models were saved, whose defaults train exactly what those models were trained with
 ADDED_SETTINGS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard", "prototypes": 256,
-                     "prototype_topk": 16, "lambda_div": 0.0}
+                  "prototype_topk": 16, "lambda_prism": 1.0, "lambda_div": 1.0}
 
 
 def changed_settings(saved: dict, config: TrainConfig) -> dict:
@@ -342,7 +345,7 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         else:
             loss, losses, _ = compute(model, batch, alpha_known, alpha_unknown, lambdas,
                                       lambda_known=config.lambda_known, log_unigram=log_unigram,
-                                      lambda_div=config.lambda_div)
+                                      lambdas_prism=(config.lambda_prism, config.lambda_div))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
