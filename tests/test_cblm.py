@@ -4,6 +4,7 @@ resume, generation and steering, and the CLI on a tiny run written the way the t
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,15 @@ from atlas.cblm.losses import (
     respond_loss,
 )
 from atlas.cblm.model import CBLM, ModelConfig, Steering, block_causal_mask, injection_layer, steering_directions
-from atlas.cblm.train import TrainConfig, alphas_at, in_steering_phase, lr_at, steering_phases, train
+from atlas.cblm.train import (
+    TrainConfig,
+    alphas_at,
+    changed_settings,
+    in_steering_phase,
+    lr_at,
+    steering_phases,
+    train,
+)
 from atlas.io.tokens import INDEX_SCHEMA
 from atlas.models.tokenizer import BOS, EOC, MASK, cl100k
 from atlas.stages.tokenize import chunk_stream
@@ -428,6 +437,19 @@ def test_changed_config_is_refused_and_old_checkpoint_is_used(tiny_run):
     assert state["step"] == 2 and isinstance(model, CBLM)
     with pytest.raises(ValueError, match="Unknown|KEY"):
         TrainConfig.from_overrides(str(tiny_run), ["no_such_setting=1"])
+
+
+def test_settings_a_model_does_not_read_do_not_count():
+    """A baseline saved with another p_eps (a concept-only setting) is the same model; a concept model is not; a
+    model saved before `head` and the mixer existed (`concepts: false`) matches today's baseline."""
+    baseline = TrainConfig.from_overrides("run", ["head=none", "p_eps=0.3", "lambda_div=0"])
+    saved = asdict(TrainConfig.from_overrides("run", ["head=none"]))
+    assert changed_settings(saved, baseline) == {}
+    assert changed_settings(asdict(TrainConfig.from_overrides("run", [])),
+                            TrainConfig.from_overrides("run", ["p_eps=0.3"])) == {"p_eps": (0.7, 0.3)}
+    older = {k: v for k, v in saved.items() if k not in ("head", "mixer", "mixer_channels", "rope")}
+    assert changed_settings(older | {"concepts": False}, baseline) == {}
+    assert "head" in changed_settings(older | {"concepts": True}, baseline)
 
 
 def test_generation_and_steering():

@@ -234,18 +234,29 @@ HEADS = {
     "none": lambda mc, n: "no head: the baseline",
 }
 # settings added after models were saved, whose defaults train exactly what those models were trained with
-ADDED_SETTINGS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard", "prototypes": 256,
-                  "prototype_topk": 16, "lambda_prism": 1.0, "lambda_div": 1.0}
+ADDED_SETTINGS = {"mixer": "attention", "mixer_channels": 32, "rope": "standard"}
+# settings that only one head (or the ProtoT mixer) reads: the others train the same model whatever their value
+ONLY_FOR = {
+    "concepts": ("unknown_ratio", "unknown_rank", "topk_known", "p_eps", "p_known_drop", "lambda_concept",
+                 "lambda_rec", "lambda_indep", "concept_aggregation", "lambda_known", "alpha_floor_known",
+                 "alpha_floor_unknown", "alpha_warm_frac", "steering", "steering_phases", "steering_phase_frac",
+                 "steering_tau", "steering_lifted", "steer_layer", "lambda_respond", "lambda_express"),
+    "prism": ("prototypes", "prototype_topk", "lambda_prism", "lambda_div"),
+    "prototype": ("mixer_channels",),
+}
 
 
 def changed_settings(saved: dict, config: TrainConfig) -> dict:
-    """{setting: (saved, now)} for the settings that differ. run_dir is not compared: the model lives in
+    """{setting: (saved, now)} for the settings that differ, leaving out those the model does not read (a baseline
+    trained with p_eps 0.3 is the model p_eps 0.7 would train). run_dir is not compared: the model lives in
     RUN/cblm/<name>, so `runs/demo` and `/abs/path/runs/demo` name the same run."""
     saved = {**ADDED_SETTINGS, **saved}
     if "concepts" in saved:  # saved when the head was a boolean `concepts`
         saved["head"] = "concepts" if saved.pop("concepts") else "none"
     now = asdict(config)
-    return {k: (saved.get(k), v) for k, v in now.items() if k != "run_dir" and saved.get(k) != v}
+    unread = {k for owner, keys in ONLY_FOR.items() if owner not in (config.head, config.mixer) for k in keys}
+    return {k: (saved.get(k), v) for k, v in now.items()
+            if k != "run_dir" and k not in unread and saved.get(k) != v}
 
 
 def trained_metrics(config: TrainConfig) -> dict | None:
