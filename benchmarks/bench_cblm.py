@@ -73,7 +73,8 @@ RECIPES = {
 ARCHITECTURES = {
     "baseline": ["head=none"],
     "concepts": RECIPES["atlas"],
-    "prism": ["head=prism"],  # 256 prototypes, top 16, L_DIV on
+    "prism": ["head=prism"],  # 256 prototypes, top 16, lambda_prism 0.1, L_DIV on
+    "prism-unit": ["head=prism", "lambda_prism=1"],  # the source's unit weights
     "protot": ["head=none", "mixer=prototype"],  # R = 32 channels per layer
     "pi-rope": ["head=none", "rope=pi"],
 }

@@ -54,7 +54,7 @@ BENCHMARKS = [
      ["{run}/tokens", "{run}/library"]),
     # the seeds' interpretable models at one budget: plain, concept bottleneck, PRISM, ProtoT, pi-RoPE
     ("cblm-models", ["bench_cblm.py", "--run", "{run}", "--fresh", "--architectures",
-                     "baseline,concepts,prism,protot,pi-rope"],
+                     "baseline,concepts,prism,prism-unit,protot,pi-rope"],
      ["--set", "max_steps=50", "--set", "batch_size=4", "--set", "val_fraction=0.02"], [],
      ["{run}/tokens", "{run}/library"]),
 ]
