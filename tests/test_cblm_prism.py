@@ -24,6 +24,7 @@ from atlas.cblm.prototypes import (
     category_edit,
     explain,
     find_category,
+    llm_names,
     measure_attribution,
     mine,
     prototype_edit,
@@ -223,6 +224,40 @@ def test_cards_have_their_fields(data):
     with torch.no_grad():  # usage: the share of held-out positions where the prototype is routed (a > 0)
         alpha = model(data.windows[data.val_windows, :T])[1].alpha
     np.testing.assert_allclose([c["usage"] for c in result], (alpha > 0).float().mean((0, 1)).numpy(), atol=1e-4)
+
+
+def test_an_llm_engine_names_the_cards_with_the_label_prompt(data):
+    """With an LLM engine (the openai one, against a real loopback server), every card gets the LLM's name and
+    description, asked with the label stage's prompt: the prototype's firing and promoted tokens as its tags, its
+    contexts as the examples; an unusable answer keeps the offline name."""
+    from fault_server import FaultServer
+
+    from atlas.config import LLMConfig
+    from atlas.llm.engine import setup_engine
+
+    model = prism_model(data.vocab_size)
+    result = cards(model, data, mine(model, data, top=4), n_top_tokens=5, contexts=3)
+    offline = [c["name"] for c in result]
+    with FaultServer(mode="ok") as server:
+        engine = setup_engine(LLMConfig(engine="openai", base_url=server.base_url, model="test-model", timeout_s=2.0,
+                                        max_retries=1, backoff_s=0.01))
+        try:
+            assert llm_names(result, engine) == len(result)
+        finally:
+            engine.close()
+        prompts = [r["messages"][1]["content"] for r in server.requests]
+    assert len(prompts) == len(result) and all("fires on" in p and "promotes" in p for p in prompts)
+    assert all(c["named_by"] == "llm" and c["description"] for c in result)
+    assert [c["name"] for c in result] != offline
+    with FaultServer(mode="invalid_json") as server:
+        engine = setup_engine(LLMConfig(engine="openai", base_url=server.base_url, model="test-model", timeout_s=2.0,
+                                        max_retries=0, backoff_s=0.01))
+        try:
+            fresh = cards(model, data, mine(model, data, top=4), n_top_tokens=5, contexts=3)
+            assert llm_names(fresh, engine) == 0
+        finally:
+            engine.close()
+    assert [c["name"] for c in fresh] == offline and all(c["named_by"] == "offline" for c in fresh)
 
 
 def test_measurement_against_random_and_the_ivfpq_transducer(index_run):  # noqa: F811

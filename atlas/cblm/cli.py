@@ -299,6 +299,16 @@ def cmd_tda(args) -> int:
     return 0
 
 
+def _label_engine(run_dir: str):
+    """The LLM engine of the run's config, set up; None when it is the offline engine (or the run has no config)."""
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
+    from atlas.llm.engine import setup_engine
+
+    config = RunDir(run_dir).read_manifest().get("config")
+    return setup_engine(config_from_dict(config).llm) if config else None
+
+
 def cmd_prototypes(args) -> int:
     import random
 
@@ -309,6 +319,7 @@ def cmd_prototypes(args) -> int:
         cards,
         format_card,
         format_measurement,
+        llm_names,
         measure_attribution,
         mine_or_load,
         write_cards,
@@ -331,6 +342,13 @@ def cmd_prototypes(args) -> int:
     except FileNotFoundError:
         names = None
     result = cards(model, data, neighbours, names)
+    engine = _label_engine(run_dir)
+    if engine is not None:  # the run's LLM names the cards, as it named the concepts
+        try:
+            print(f"the {engine.config.engine} engine named {llm_names(result, engine)} of {len(result)} cards "
+                  "(the others keep their offline name)", flush=True)
+        finally:
+            engine.close()
     print(f"{len(result)} cards in {write_cards(args.model, result)}")
     for card in random.Random(args.seed).sample(result, min(args.cards, len(result))):
         print(format_card(card))

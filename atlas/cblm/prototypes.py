@@ -29,7 +29,8 @@ chunks that share a concept with the position's chunk, that contain the true nex
 it among their concepts' lifted tokens T_c (``data.lifted_tokens``).
 
 Cards (``cards``): per prototype the top tokens of its tau-folded logit signature tau W p_i, the contexts of its
-nearest neighbours, a short name ("what it fires on -> what it promotes"), a coarse rule-based category of its tokens,
+nearest neighbours, a short name (offline: the words lifted in its contexts; with an LLM engine in the run's config,
+``llm_names`` asks the label stage's prompt for a name and a description), a coarse rule-based category of its tokens,
 the most frequent Atlas concept of its neighbours' chunks, and its usage: the share of held-out positions where it is
 routed (a_{t,i} > 0).
 
@@ -414,11 +415,35 @@ def cards(model: CBLM, data: TokenData, neighbours: Neighbours, concept_names: l
     return result
 
 
+def llm_names(card_list: list[dict], engine) -> int:
+    """Name the cards with the run's LLM label engine (``models.labeler.llm_labels``, the label stage's prompt and
+    schema): the "tags" are the prototype's firing tokens with their counts and its top logit tokens, the examples
+    its contexts. Where the answer is usable the card's ``name`` and a ``description`` are replaced and ``named_by``
+    is "llm"; elsewhere the offline name stays. Returns how many cards the LLM named."""
+    from atlas.models.labeler import llm_labels
+
+    evidence, examples = [], []
+    for card in card_list:
+        firing = Counter(c["text"].rsplit("«", 1)[-1].rstrip("»") for c in card["contexts"])
+        evidence.append([(f"fires on {t!r}", n) for t, n in firing.most_common()]
+                        + [(f"promotes {t!r}", 1) for t, _ in card["top_tokens"]])
+        examples.append([c["text"].replace("«", "[").replace("»", "]") + c["next"] for c in card["contexts"]])
+    named = 0
+    for card, answer in zip(card_list, llm_labels(engine, evidence, examples)):
+        card["named_by"] = "offline"
+        if answer is not None:
+            card["name"], card["description"], card["named_by"] = answer[0], answer[1], "llm"
+            named += 1
+    return named
+
+
 def format_card(card: dict) -> str:
     concept = card["concept"]
     lines = [f"prototype {card['prototype']}: {card['name']}   [{card['category']}]   routed at "
-             f"{100 * card['usage']:.1f}% of held-out positions",
-             "  promotes: " + ", ".join(f"{t!r} {v:+.2f}" for t, v in card["top_tokens"])]
+             f"{100 * card['usage']:.1f}% of held-out positions"]
+    if card.get("description"):
+        lines.append(f"  {card['description']}")
+    lines.append("  promotes: " + ", ".join(f"{t!r} {v:+.2f}" for t, v in card["top_tokens"]))
     if concept:
         lines.append(f"  concept: {concept['name']} (id {concept['id']}; {100 * concept['share']:.0f}% of its "
                      f"neighbours' chunks, lift {concept['lift']:.1f})")
