@@ -7,14 +7,14 @@ splits exactly into a sparse, non-negative mix of K learned prototypes plus a re
     z^_t     = sum_i a_{t,i} p_i,    r_t = z_t - z^_t,    logits l_t = W (z^_t + r_t) = W z_t
 
 so l_t = W r_t + sum_i a_{t,i} (W p_i) exactly (``decompose``): each prototype has a fixed logit signature W p_i. The
-prototypes do not change the logits; the losses pull the hidden-state geometry toward them (unit weights, as in the
-source):
+prototypes do not change the logits; the losses pull the hidden-state geometry toward them (the source weighs L_R1,
+L_R2 and L_RES by 1; the trainer by ``lambda_prism`` = 0.1 and L_DIV by ``lambda_div`` = 1, see ``train.py``):
 
     L_R1  = mean_i min_j -cos(p_i, z_j)     every prototype anchors to some token of the batch
     L_R2  = mean_j min_i -cos(p_i, z_j)     every token is close to some prototype
     L_RES = mean over positions and coordinates of r_t^2   ("mean squared residual"; we average over coordinates too,
             so the weight means the same at every width)
-    L_DIV = mean_{i != j} cos(p_i, p_j)^2   optional (``lambda_div``), the source's diversity term
+    L_DIV = mean_{i != j} cos(p_i, p_j)^2   the source's optional diversity term
 
 The source leaves k open; the default, 16, is the number of active prototypes its group intervention inspects.
 """
