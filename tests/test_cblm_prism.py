@@ -233,30 +233,24 @@ def test_an_llm_engine_names_the_cards_with_the_label_prompt(data):
     from fault_server import FaultServer
 
     from atlas.config import LLMConfig
-    from atlas.llm.engine import setup_engine
+
+    def openai(server, retries: int) -> LLMConfig:
+        return LLMConfig(engine="openai", base_url=server.base_url, model="test-model", timeout_s=2.0,
+                         max_retries=retries, backoff_s=0.01)
 
     model = prism_model(data.vocab_size)
     result = cards(model, data, mine(model, data, top=4), n_top_tokens=5, contexts=3)
     offline = [c["name"] for c in result]
+    assert llm_names(result, LLMConfig(engine="offline")) is None and [c["name"] for c in result] == offline
     with FaultServer(mode="ok") as server:
-        engine = setup_engine(LLMConfig(engine="openai", base_url=server.base_url, model="test-model", timeout_s=2.0,
-                                        max_retries=1, backoff_s=0.01))
-        try:
-            assert llm_names(result, engine) == len(result)
-        finally:
-            engine.close()
+        assert llm_names(result, openai(server, 1)) == len(result)
         prompts = [r["messages"][1]["content"] for r in server.requests]
     assert len(prompts) == len(result) and all("fires on" in p and "promotes" in p for p in prompts)
     assert all(c["named_by"] == "llm" and c["description"] for c in result)
     assert [c["name"] for c in result] != offline
+    fresh = cards(model, data, mine(model, data, top=4), n_top_tokens=5, contexts=3)
     with FaultServer(mode="invalid_json") as server:
-        engine = setup_engine(LLMConfig(engine="openai", base_url=server.base_url, model="test-model", timeout_s=2.0,
-                                        max_retries=0, backoff_s=0.01))
-        try:
-            fresh = cards(model, data, mine(model, data, top=4), n_top_tokens=5, contexts=3)
-            assert llm_names(fresh, engine) == 0
-        finally:
-            engine.close()
+        assert llm_names(fresh, openai(server, 0)) == 0
     assert [c["name"] for c in fresh] == offline and all(c["named_by"] == "offline" for c in fresh)
 
 

@@ -299,16 +299,6 @@ def cmd_tda(args) -> int:
     return 0
 
 
-def _label_engine(run_dir: str):
-    """The LLM engine of the run's config, set up; None when it is the offline engine (or the run has no config)."""
-    from atlas.config import config_from_dict
-    from atlas.core.rundir import RunDir
-    from atlas.llm.engine import setup_engine
-
-    config = RunDir(run_dir).read_manifest().get("config")
-    return setup_engine(config_from_dict(config).llm) if config else None
-
-
 def cmd_prototypes(args) -> int:
     import random
 
@@ -324,6 +314,8 @@ def cmd_prototypes(args) -> int:
         mine_or_load,
         write_cards,
     )
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
 
     model, state = checkpoint.load(Path(args.model), args.device)
     if model.prism is None:
@@ -342,13 +334,11 @@ def cmd_prototypes(args) -> int:
     except FileNotFoundError:
         names = None
     result = cards(model, data, neighbours, names)
-    engine = _label_engine(run_dir)
-    if engine is not None:  # the run's LLM names the cards, as it named the concepts
-        try:
-            print(f"the {engine.config.engine} engine named {llm_names(result, engine)} of {len(result)} cards "
-                  "(the others keep their offline name)", flush=True)
-        finally:
-            engine.close()
+    config = RunDir(run_dir).read_manifest().get("config")
+    if config and (named := llm_names(result, config_from_dict(config).llm)) is not None:
+        # the run's LLM names the cards, as it named the concepts; offline, the cards keep their lifted words
+        print(f"the {config['llm']['engine']} engine named {named} of {len(result)} cards (the others keep their "
+              "offline name)", flush=True)
     print(f"{len(result)} cards in {write_cards(args.model, result)}")
     for card in random.Random(args.seed).sample(result, min(args.cards, len(result))):
         print(format_card(card))

@@ -415,12 +415,13 @@ def cards(model: CBLM, data: TokenData, neighbours: Neighbours, concept_names: l
     return result
 
 
-def llm_names(card_list: list[dict], engine) -> int:
-    """Name the cards with the run's LLM label engine (``models.labeler.llm_labels``, the label stage's prompt and
-    schema): the "tags" are the prototype's firing tokens with their counts and its top logit tokens, the examples
-    its contexts. Where the answer is usable the card's ``name`` and a ``description`` are replaced and ``named_by``
-    is "llm"; elsewhere the offline name stays. Returns how many cards the LLM named."""
-    from atlas.models.labeler import llm_labels
+def llm_names(card_list: list[dict], llm_config) -> int | None:
+    """Name the cards with the LLM engine of ``llm_config`` (the run's ``llm`` section; the label stage's prompt and
+    schema, ``models.labeler``): the "tags" are the prototype's firing tokens with their counts and its top logit
+    tokens, the examples its contexts. Where the answer is usable the card's ``name`` and a ``description`` are
+    replaced and ``named_by`` is "llm"; elsewhere the offline name stays. Returns how many cards the LLM named, or
+    None for the offline engine (the cards keep their offline names)."""
+    from atlas.models.labeler import configured_llm_labels
 
     evidence, examples = [], []
     for card in card_list:
@@ -428,8 +429,11 @@ def llm_names(card_list: list[dict], engine) -> int:
         evidence.append([(f"fires on {t!r}", n) for t, n in firing.most_common()]
                         + [(f"promotes {t!r}", 1) for t, _ in card["top_tokens"]])
         examples.append([c["text"].replace("«", "[").replace("»", "]") + c["next"] for c in card["contexts"]])
+    answers = configured_llm_labels(llm_config, evidence, examples)
+    if answers is None:
+        return None
     named = 0
-    for card, answer in zip(card_list, llm_labels(engine, evidence, examples)):
+    for card, answer in zip(card_list, answers):
         card["named_by"] = "offline"
         if answer is not None:
             card["name"], card["description"], card["named_by"] = answer[0], answer[1], "llm"

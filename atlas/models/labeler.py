@@ -103,6 +103,21 @@ def llm_labels(engine: LLMEngine, evidence: list[list[tuple[str, int]]],
     return answers
 
 
+def configured_llm_labels(config, evidence: list[list[tuple[str, int]]],
+                          examples: list[list[str]] | None = None) -> list[tuple[str, str] | None] | None:
+    """``llm_labels`` with the engine of ``config`` (an LLMConfig), set up and closed here; None for the offline
+    engine, which has no answers to give (its callers label from the evidence themselves)."""
+    from atlas.llm.engine import setup_engine
+
+    engine = setup_engine(config)
+    if engine is None:
+        return None
+    try:
+        return llm_labels(engine, evidence, examples)
+    finally:
+        engine.close()
+
+
 def make_unique(names: list[str], alternatives: list[list[str]]) -> list[str]:
     """Names in order of priority; a taken name gets its next alternative tag in parentheses, else a number."""
     taken, out = set(), []
