@@ -101,24 +101,20 @@ def generate(model: CBLM, prompt: list[int], max_new_tokens: int = 48, temperatu
     device = model.tok_emb.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor([prompt], dtype=torch.int64, device=device)
-    if model.config.mixer == "prototype":  # the recurrent form: O(1) time and memory per token, no window limit
-        state = model.initial_state(1)
-        for t in range(tokens.shape[1] - 1):
-            _, _, state = model.step(tokens[:, t], state, steer=steer)
+    if model.config.objective != "diffusion":
+        recurrent = model.config.mixer == "prototype"  # ProtoT's recurrent form: O(1) per token, no window limit
+        if recurrent:
+            state = model.initial_state(1)
+            for t in range(tokens.shape[1] - 1):
+                _, _, state = model.step(tokens[:, t], state, steer=steer)
         for _ in range(max_new_tokens):
-            logits, parts, state = model.step(tokens[:, -1], state, steer=steer)
+            if recurrent:
+                logits, parts, state = model.step(tokens[:, -1], state, steer=steer)
+            else:
+                logits, parts = model(tokens[:, -model.config.seq_len:], steer=steer)
+                logits, parts = logits[:, -1], _last(parts)
             if logit_edit is not None:
                 logits = logit_edit(logits, parts)
-            logits[..., model.config.mask_id] = -float("inf")
-            token, _ = _sample(logits, temperature, top_k, generator)
-            tokens = torch.cat([tokens, token[None]], dim=1)
-        return tokens[0].tolist()
-    if model.config.objective != "diffusion":
-        for _ in range(max_new_tokens):
-            logits, parts = model(tokens[:, -model.config.seq_len:], steer=steer)
-            logits = logits[:, -1]
-            if logit_edit is not None:
-                logits = logit_edit(logits, _last(parts))
             logits[..., model.config.mask_id] = -float("inf")  # [MASK] is never text
             token, _ = _sample(logits, temperature, top_k, generator)
             tokens = torch.cat([tokens, token[None]], dim=1)
