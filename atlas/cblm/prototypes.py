@@ -390,9 +390,9 @@ def cards(model: CBLM, data: TokenData, neighbours: Neighbours, concept_names: l
         firing_ids = [int(data.windows[w, t]) for w, t in zip(windows, positions)]
         firing = [codec.decode([t]) for t in firing_ids]
         shown = []
-        for w, t, score in list(zip(windows, positions, neighbours.score[i][valid]))[:contexts]:
+        for w, t, score, token in list(zip(windows, positions, neighbours.score[i][valid], firing))[:contexts]:
             left = codec.decode(data.windows[w, max(0, t - before):t].tolist())
-            shown.append({"text": f"{left}«{codec.decode([int(data.windows[w, t])])}»",
+            shown.append({"text": f"{left}«{token}»", "token": token,
                           "next": codec.decode([int(data.windows[w, t + 1])]), "cos": round(float(score), 3)})
         name = _name([data.windows[w, max(0, t - 3):t + 1].numpy() for w, t in zip(windows, positions)], firing_ids,
                      p_token, codec)
@@ -425,7 +425,7 @@ def llm_names(card_list: list[dict], llm_config) -> int | None:
 
     evidence, examples = [], []
     for card in card_list:
-        firing = Counter(c["text"].rsplit("«", 1)[-1].rstrip("»") for c in card["contexts"])
+        firing = Counter(c["token"] for c in card["contexts"])
         evidence.append([(f"fires on {t!r}", n) for t, n in firing.most_common()]
                         + [(f"promotes {t!r}", 1) for t, _ in card["top_tokens"]])
         examples.append([c["text"].replace("«", "[").replace("»", "]") + c["next"] for c in card["contexts"]])
