@@ -52,6 +52,14 @@ def _run_dir(model: str | Path, state: dict) -> str:
     return str(here) if (here / "tokens").is_dir() else state["train_config"]["run_dir"]
 
 
+def _model_data(model: str | Path, state: dict):
+    """The windows a saved model was trained and held out on: its run, window length, split and vocabulary."""
+    from atlas.cblm.data import TokenData
+
+    config = state["train_config"]
+    return TokenData(_run_dir(model, state), config["seq_len"], config["val_fraction"], vocab=state["vocab"])
+
+
 def _normal(text: str) -> str:
     return " ".join(text.lower().split())
 
@@ -111,13 +119,11 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from atlas.cblm import checkpoint
-    from atlas.cblm.data import TokenData
     from atlas.cblm.metrics import evaluate
 
     model, state = checkpoint.load(Path(args.model), args.device)
     train_config = state["train_config"]
-    data = TokenData(_run_dir(args.model, state), train_config["seq_len"], train_config["val_fraction"],
-                     vocab=state["vocab"])
+    data = _model_data(args.model, state)
     metrics = evaluate(model, data, batches=None, batch_size=train_config["batch_size"], device=args.device,
                        seed=train_config["seed"], alignment=True)
     print(json.dumps(metrics, indent=2))
@@ -164,12 +170,9 @@ def cmd_generate(args) -> int:
     if args.compare:
         if concept is None:
             raise SystemExit("error: --compare needs --steer")
-        from atlas.cblm.data import TokenData, lifted_tokens
+        from atlas.cblm.data import lifted_tokens
 
-        config = state["train_config"]
-        data = TokenData(_run_dir(args.model, state), config["seq_len"], config["val_fraction"],
-                         vocab=state["vocab"])
-        lifted = lifted_tokens(data, top=200, min_support=20)[concept]
+        lifted = lifted_tokens(_model_data(args.model, state), top=200, min_support=20)[concept]
         effect = steering_effect(model, codec, concept, args.strength, [args.prompt], lifted, args.max_new_tokens,
                                  args.samples, args.temperature, args.layer)
         print(f"concept {concept}: {concepts[concept]['name']}   gamma {effect['gamma']:.2f} "
@@ -304,7 +307,6 @@ def cmd_prototypes(args) -> int:
 
     from atlas.cblm import checkpoint
     from atlas.cblm.attribution import TRANSDUCER, load_transducer
-    from atlas.cblm.data import TokenData
     from atlas.cblm.prototypes import (
         cards,
         format_card,
@@ -322,7 +324,7 @@ def cmd_prototypes(args) -> int:
         raise SystemExit(f"error: {args.model} has no PRISM head (it was trained with head="
                          f"{state['train_config'].get('head', 'concepts')}); prototypes need --set head=prism")
     run_dir = _run_dir(args.model, state)
-    data = TokenData(run_dir, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
+    data = _model_data(args.model, state)
     neighbours, reused = mine_or_load(
         args.model, model, data, args.top, args.windows, args.batch_size, args.seed, force=args.force,
         step=state.get("step"), progress=lambda done, total: print(f"  mined {done:,}/{total:,} windows", flush=True))
