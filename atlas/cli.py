@@ -172,7 +172,7 @@ def cmd_inspect(args) -> int:
     if not sorted(folder.glob("*.parquet")):
         raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
     if args.what == "library":  # concepts, most used first
-        for row in pq.read_table(folder / "concepts.parquet").slice(0, args.n).to_pylist():
+        for row in _rows(pq.read_table(folder / "concepts.parquet"), args):
             print("-" * 100)
             print(f"concept {row['concept_id']}: {row['name']}  ({row['chunk_count']} chunks, "
                   f"prevalence {row['prevalence']:.4f}, merged from {len(row['merged_from'])} cluster(s))")
@@ -185,7 +185,8 @@ def cmd_inspect(args) -> int:
         return 0
     if args.what == "tags":  # chunks with their tags, field by field
         tags = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table().to_pylist()
-        chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))[: args.n]
+        chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))
+        chosen = [chosen[i] for i in _row_indices(len(chosen), args)]
         chunks = ds.dataset([str(p) for p in run.parts(layout.CHUNKS)], format="parquet")
         texts = {r["chunk_id"]: r for r in chunks.to_table(
             filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
@@ -202,7 +203,7 @@ def cmd_inspect(args) -> int:
                 print(f"    {field}: {', '.join(values)}")
         return 0
     parts = [str(p) for p in run.parts(args.what)]
-    for row in ds.dataset(parts, format="parquet").head(args.n).to_pylist():
+    for row in _rows(ds.dataset(parts, format="parquet"), args):
         text = row.pop("chunk_text", None)
         print("-" * 100)
         shown = {k: (str(v) if len(str(v)) <= 120 else str(v)[:117] + "...") for k, v in row.items()}
@@ -210,6 +211,23 @@ def cmd_inspect(args) -> int:
         if text is not None:
             _print_text(text, args.chars)
     return 0
+
+
+def _row_indices(total: int, args) -> list[int]:
+    """The rows ``atlas inspect`` shows: the first ``-n``, or ``-n`` drawn at random with ``--random SEED``
+    (in file order), so a reader sees typical rows, not only the first or the most used ones."""
+    import numpy as np
+
+    if args.random is None:
+        return list(range(min(args.n, total)))
+    rng = np.random.default_rng(args.random)
+    return sorted(rng.choice(total, min(args.n, total), replace=False).tolist())
+
+
+def _rows(table, args) -> list[dict]:
+    """The chosen rows (see ``_row_indices``) of a pyarrow Table or Dataset, as dicts."""
+    total = table.num_rows if hasattr(table, "num_rows") else table.count_rows()
+    return table.take(_row_indices(total, args)).to_pylist()
 
 
 def _inspect_concepts(run, args) -> None:
@@ -221,11 +239,11 @@ def _inspect_concepts(run, args) -> None:
     names = {r["concept_id"]: (r["domain"], r["name"]) for r in load_library(run)[0]}
     if args.what == "annotator":
         predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet")
-        rows = predictions.slice(0, args.n).to_pylist()
+        rows = _rows(predictions, args)
     else:
         targets = pq.read_table(run.part_path(layout.TARGETS, 0),
                                 columns=["chunk_id", "domain", "split", "picked", "concepts"])
-        rows = targets.slice(0, args.n).to_pylist()
+        rows = _rows(targets, args)
     texts = read_chunks(run, {r["chunk_id"] for r in rows})
     for row in rows:
         print("-" * 100)
@@ -469,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "targets, annotator (held-out predictions)")
     p.add_argument("-n", type=int, default=5, help="rows to show")
     p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
+    p.add_argument("--random", type=int, metavar="SEED", default=None,
+                   help="show -n rows drawn at random with this seed instead of the first ones (typical rows, "
+                        "not only the most used concepts)")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("judge", help="score the relevance of tags to their chunks (1-5; offline: a proxy)")

@@ -188,6 +188,9 @@ class LibraryConfig(Section):
     # pairwise cosines, (m - r) / (1 - r) >= this (clusters of filler words cover chunks with nothing in common).
     # 0: no such test.
     min_chunk_cohesion: float = Field(default=0.05, ge=0, lt=1)
+    # A tag inherits its cluster's concept only when its cosine to the cluster's centroid reaches this: the tags at a
+    # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
+    tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
     # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
     dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])

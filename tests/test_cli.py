@@ -53,6 +53,15 @@ def test_inspect_shows_readable_rows(tmp_path, demo_records, capsys):
     assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "2", "--chars", "80"]) == 0
     out = capsys.readouterr().out
     assert out.count("chunk_id=") == 2 and "n_tokens=" in out and "│ " in out and "[...]" in out
+    first = [line for line in out.splitlines() if line.startswith("chunk_id=")]
+    shown = []
+    for _ in range(2):  # --random: rows drawn with the seed, the same ones each time
+        assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "2", "--random", "4"]) == 0
+        shown.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("chunk_id=")])
+    assert shown[0] == shown[1] and len(shown[0]) == 2
+    assert main(["inspect", str(tmp_path / "run"), "chunks", "-n", "99", "--random", "4"]) == 0
+    every = [line for line in capsys.readouterr().out.splitlines() if line.startswith("chunk_id=")]
+    assert set(shown[0]) <= set(every) and every[:2] == first  # -n past the end: every row, in file order
 
 
 def test_atlas_stage_runs_with_the_config_of_the_latest_plan(tmp_path, demo_records, capsys):

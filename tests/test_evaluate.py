@@ -67,6 +67,22 @@ def test_annotator_probabilities_top_concept_is_the_most_over_represented():
     assert mean["top_concept"]["groups"] == 1  # by the raw mean, the broad concept tops every document
 
 
+def test_annotator_top_concept_is_distinctive_and_representative():
+    """A rare concept firing at random (0.9 on a quarter of the documents) has the largest lift there, so the lift
+    alone makes it those documents' top concept, across labels. Its centroid is the mean of every label's
+    embeddings, far from each document, so the representative choice among the top candidates keeps the
+    document's own concept: homogeneity 1, where the lift alone mixes labels."""
+    doc_ids, embeddings, labels, sources = synthetic(separated=True, chunks_per_doc=(1, 2))
+    own = one_hot(labels, 4)
+    fires = (np.arange(len(labels)) % 4 == np.arange(len(labels)) // 4 % 4)[:, None]  # every label, in turn
+    rare = np.where(fires, 0.9, 0.001).astype(np.float32)
+    probabilities = np.column_stack([0.01 + 0.29 * own, rare])
+    e = per_source_table(doc_ids, embeddings, probabilities, labels, sources,
+                         concept_vector="probabilities")["per_source"]["news"]
+    assert e["top_concept_by_lift"]["groups"] == 5 and e["top_concept_by_lift"]["homogeneity"] < 0.9
+    assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0)
+
+
 def test_noise_concepts_probe_worse_than_informative_embeddings():
     doc_ids, embeddings, labels, sources = synthetic(separated=True)
     noise = np.random.default_rng(1).random((len(doc_ids), 50)).astype(np.float32)

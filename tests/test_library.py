@@ -10,7 +10,7 @@ from fault_server import FaultServer
 from test_tag_stage import openai_sections
 
 from atlas.cli import main
-from atlas.config import load_config
+from atlas.config import LibraryConfig, load_config
 from atlas.core.rundir import RunDir
 from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
@@ -69,8 +69,12 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     for row in coherence.values():  # the chunk test: kept clusters cover chunks closer than random ones
         assert not row["kept"] or row["chunk_cohesion"] is None or row["chunk_cohesion"] >= 0.05
         assert ("chunks=" in row["reason"]) == (row["chunk_cohesion"] is not None and row["chunk_cohesion"] < 0.05)
+    clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").to_pydict()
+    similarity = dict(zip(clusters["tag_norm"], clusters["similarity"]))
+    floor = LibraryConfig().tag_min_similarity  # a tag at its cluster's edge inherits no concept
+    assert any(similarity[row["tag_norm"]] < floor for row in mapping if row["cluster_id"] in kept)
     for row in mapping:
-        assert (row["concept_id"] is None) == (row["cluster_id"] not in kept)
+        assert (row["concept_id"] is None) == (row["cluster_id"] not in kept or similarity[row["tag_norm"]] < floor)
     assert (run.root / "report" / "k_sweep.png").exists() and (run.root / "report" / "concept_map.png").exists()
 
     capsys.readouterr()
@@ -138,8 +142,11 @@ def test_offline_names_are_representative_distinctive_and_valid():
     assert offline_name(["shared", "central", "edge", "off"], counts, vectors, other) == "central"
     assert offline_name(["nan", "central", "edge", "off"], counts[[1, 1, 2, 3]], vectors[[1, 1, 2, 3]],
                         other) == "central"  # an invalid tag is never the name, however central
-    text = "Ships sail. The Apollo program landed astronauts on the Moon in 1969. It ended."
-    best = example_sentence(text, ["apollo program", "moon"])
-    assert best == "The Apollo program landed astronauts on the Moon in 1969."
+    texts = ["Ships sail. The Apollo program landed astronauts on the Moon in 1969. It ended.",
+             "Mail moon@nasa.gov about the Apollo program and the Moon rocks."]
+    best = example_sentence(texts, ["apollo program", "moon"])
+    assert best == "The Apollo program landed astronauts on the Moon in 1969."  # the e-mail line is no example
+    assert example_sentence(["- Nigel Tufnel, _Spinal Tap_ and friends"], ["nerve", "neuron"]) is None
+    assert example_sentence(["Honeymoons are long in the summer."], ["moon"]) is None  # whole words only
     description = offline_description("apollo program", ["apollo program", "moon landing", "nasa"], "The Apollo…")
     assert description == 'Apollo program: moon landing, nasa. As in "The Apollo…".'

@@ -104,6 +104,11 @@ def test_candidate_phrases_and_mmr():
     assert {"prime number", "susan", "robert", "cat", "fraction"} <= set(phrases + prose)
     assert not {p for p in prose if {"gives", "causing", "instead", "four", "edu", "frac", "http"} & set(p.split())}
     assert "cats susan" not in prose and "number reach" not in prose
+    # a word that may be a noun or a verb is a verb after a subject or an auxiliary, or before an object
+    news = candidate_phrases("Oil companies in Nigeria say they won't give in. If you think oil is expensive now, "
+                             "the strike will likely end. The end of the strike came.")
+    assert {"oil company", "nigeria", "strike", "end"} <= set(news)
+    assert not {p for p in news if {"say", "give", "think", "now"} & set(p.split())}
     assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
     assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
     values = [f"v{i}" for i in range(20)]

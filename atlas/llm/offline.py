@@ -44,7 +44,8 @@ STOPWORDS = frozenset(
     were weren't what what's when when's where where's which while who who's whom why why's with won't would wouldn't
     you you'd you'll you're you've your yours yourself yourselves one two three also may might must shall will just
     like get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus
-    therefore q a re subject writes wrote article et al ie eg vs""".split()
+    therefore q a re subject writes wrote article et al ie eg vs now today yesterday tomorrow tonight ago soon later
+    recently currently""".split()
 ) | frozenset(  # number words: "four years", "zero" are quantities, not topics
     """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
     nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
@@ -57,6 +58,11 @@ CODE_STOPWORDS = frozenset(
     tmp temp var val arr num idx i j k n m x y z a b c d e f g h p q r s t u v w l o function var let const new public
     private static void null this return true false string int32 int64 elif np os sys re typing optional any""".split()
 )
+# Context cues of a verb (see verb_in_context): what comes before a verb, and what follows one.
+VERB_BEFORE = frozenset("""i you we they he she it who will would can could should may might must shall won't wouldn't
+    can't cannot couldn't shouldn't don't doesn't didn't do does did to not""".split())
+VERB_AFTER = frozenset("the a an they he she we i you it them him us this these those their his its our my your"
+                       .split())
 WORD = re.compile(r"[A-Za-z][A-Za-z'+#]*[A-Za-z+#]|[A-Za-z]")
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 CAMEL = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -128,11 +134,40 @@ def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> Non
                 first.setdefault(phrase, position)
 
 
+@lru_cache(maxsize=200_000)
+def can_be_verb(word: str) -> bool:
+    import lemminflect
+
+    return "VERB" in lemminflect.getAllLemmas(word)
+
+
+@lru_cache(maxsize=200_000)
+def adverb_only(word: str) -> bool:
+    """"likely", "quickly": words that modify a verb and are no noun (looked past to find a verb's subject)."""
+    import lemminflect
+
+    pos = lemminflect.getAllLemmas(word)
+    return "ADV" in pos and "NOUN" not in pos
+
+
+def verb_in_context(words: list[str], i: int) -> bool:
+    """Whether ``words[i]``, a word that may be a noun or a verb ("say", "think", "end"), is a verb here: after a
+    subject pronoun or an auxiliary ("they say", "you think", "won't give", "will likely end"), or before an object
+    pronoun or an article ("say they", "give the"). The lexicon alone keeps "nigeria say" and "think oil" as
+    phrases; without a tagger, these cues catch the common cases."""
+    if not can_be_verb(words[i]):
+        return False
+    j = i - 1
+    while j >= 0 and adverb_only(words[j]):
+        j -= 1
+    return (j >= 0 and words[j] in VERB_BEFORE) or (i + 1 < len(words) and words[i + 1] in VERB_AFTER)
+
+
 def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
     """Maximal runs of consecutive words that can be part of a noun phrase."""
     runs, run = [], []
-    for word in words:
-        if word not in stop and word_class(word) != "break":
+    for i, word in enumerate(words):
+        if word not in stop and word_class(word) != "break" and not verb_in_context(words, i):
             run.append(word)
         elif run:
             runs.append(run)
@@ -202,7 +237,7 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 5}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 6}
 
     def setup(self) -> None:
         self.embedder.setup()

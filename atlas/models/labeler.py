@@ -29,6 +29,7 @@ ANSWER_SCHEMA = {
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
 SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
+NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.")  # e-mail addresses, message ids, URLs
 # Words that never make a name on their own (the tagger's stopwords cover the rest).
 NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
 
@@ -56,13 +57,26 @@ def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other
     return next((tags[i] for i in order if valid_name(tags[i])), tags[int(order[0])])
 
 
-def example_sentence(text: str, words: list[str], limit: int = 200) -> str:
-    """The sentence of ``text`` that holds the most of ``words`` (the concept's tags), trimmed to ``limit``."""
-    sentences = [s.strip() for s in SENTENCE.findall(" ".join(text.split())) if len(s.strip()) > 20] or [text.strip()]
-    lowered = [s.lower() for s in sentences]
-    best = max(range(len(sentences)), key=lambda i: (sum(w in lowered[i] for w in words), -i))
-    sentence = sentences[best]
-    return sentence if len(sentence) <= limit else sentence[: limit - 1].rsplit(" ", 1)[0] + "…"
+def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> str | None:
+    """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
+    matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
+    sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
+    an e-mail address or a URL are never chosen."""
+    # tag heads are singular: "prime number" also finds "prime numbers"
+    patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
+    best, best_hits = None, 0
+    for text in texts:
+        for sentence in SENTENCE.findall(" ".join(text.split())):
+            sentence = sentence.strip()
+            if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence):
+                continue
+            lowered = sentence.lower()
+            hits = sum(bool(p.search(lowered)) for p in patterns)
+            if hits > best_hits:
+                best, best_hits = sentence, hits
+    if best is None:
+        return None
+    return best if len(best) <= limit else best[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
 def offline_description(name: str, evidence: list[str], example: str | None) -> str:

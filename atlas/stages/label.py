@@ -40,7 +40,7 @@ from atlas.models.labeler import (
     valid_name,
 )
 
-LABEL_VERSION = 2
+LABEL_VERSION = 3
 EVIDENCE_KEPT = 20
 EXAMPLES = 3  # representative chunks per cluster
 LABEL_SCHEMA = pa.schema(
@@ -98,8 +98,7 @@ class LabelStage(Stage):
             name = offline_name(names, counts[top], float_rows(vectors, top), others)
             evidence_tags = names[:EVIDENCE_KEPT]
             texts = examples.get(cluster, [])
-            description = offline_description(name, evidence_tags,
-                                              example_sentence(texts[0], evidence_tags) if texts else None)
+            description = offline_description(name, evidence_tags, example_sentence(texts, evidence_tags))
             rows.append({"cluster_id": cluster, "name": name, "description": description,
                          "evidence_tags": evidence_tags, "n_tags": len(members_of[cluster]),
                          "count": int(counts[members_of[cluster]].sum())})

@@ -16,7 +16,8 @@ position in the list. Their ``chunk_count`` is null until the corpus is annotate
     library/concepts.parquet        concept_id (dense, by chunk_count), domain, name, description,
                                     evidence_tags, n_tags, chunk_count, prevalence, taxonomy_path,
                                     merged_from, lifted_words
-    library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped)
+    library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped, or the tag is
+                                    at its edge, below library.tag_min_similarity to its centroid)
     library/config.json             k, thresholds, models, dedup passes, domain offsets, stage hashes
     report/concept_sizes.png, report/concept_map.png
 
@@ -108,7 +109,7 @@ class LibraryStage(Stage):
         c = self.config.library
         identity = {"version": LIBRARY_VERSION, "seed": c.seed, "taus": c.dedup_taus, "m": c.dedup_m,
                     "min_merged": c.dedup_min_merged, "name_merge_tau": c.name_merge_tau,
-                    "lift_min_support": c.lift_min_support,
+                    "lift_min_support": c.lift_min_support, "tag_min_similarity": c.tag_min_similarity,
                     "embedding_model": self.config.vocab.embedding_model,
                     "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in self._aux_domains()}}
         if self.config.llm.engine == "offline":
@@ -153,8 +154,10 @@ class LibraryStage(Stage):
                       "description": label["description"], "evidence_tags": [], "n_tags": 0, "chunk_count": None,
                       "prevalence": None, "taxonomy_path": None, "merged_from": [], "lifted_words": []}
                      for i, label in enumerate(domain.labels)]
+        floor = self.config.library.tag_min_similarity
         mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
-                   "concept_id": [concept_of_cluster.get(cluster) for cluster in clusters["cluster_id"]]}
+                   "concept_id": [concept_of_cluster.get(cluster) if similarity >= floor else None
+                                  for cluster, similarity in zip(clusters["cluster_id"], clusters["similarity"])]}
 
         folder = run.output_dir(self.output)
         atomic_write_parquet(folder / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPT_SCHEMA))
@@ -193,7 +196,8 @@ class LibraryStage(Stage):
                                                                           ("concept", pa.int64())])))
             con.execute(f"""CREATE TABLE covered AS SELECT DISTINCT c.concept, e.idx FROM vocab_chunks v
                             JOIN read_parquet({sql_list([run.part_path(layout.CLUSTERS, 0)])}) k USING (tag_norm)
-                            JOIN concept_of_cluster c USING (cluster_id) JOIN every_chunk e USING (chunk_id)""")
+                            JOIN concept_of_cluster c USING (cluster_id) JOIN every_chunk e USING (chunk_id)
+                            WHERE k.similarity >= {float(self.config.library.tag_min_similarity)!r}""")
             n_chunks, = con.execute("SELECT count(*) FROM every_chunk").fetchone()
             chunk_count = dict(con.execute("SELECT concept, count(*) FROM covered GROUP BY concept").fetchall())
             con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, chunk_text FROM read_parquet({sql_list(chunks)})")
