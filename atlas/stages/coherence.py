@@ -16,8 +16,9 @@ unrelated strings.
 
 **Chunks** (every engine). Tags can be alike and still say nothing: a cluster of filler words
 ("way, right, better, possible") covers chunks that have nothing in common. With m the mean
-pairwise cosine of a cluster's chunks (up to ``COHESION_SAMPLE`` of them, seeded, embedded with
-``vocab.embedding_model``) and r that of random chunks of the corpus, the excess cohesion
+pairwise cosine of a cluster's chunks (up to ``COHESION_SAMPLE`` of them, seeded, embedded with the annotator's
+encoder ``annotator.encoder``, which embeds every chunk for the annotator anyway: a larger tag embedder such as
+all-mpnet-base-v2 then costs the tags only) and r that of random chunks of the corpus, the excess cohesion
 (m - r) / (1 - r), the share of the way from random chunks to identical ones, must be at least
 ``library.min_chunk_cohesion`` (0.05; 0 turns the test off). Measured as a share of what is left
 above r, it holds for a corpus of one narrow domain (r high) as for a mixed one. On the dev corpus
@@ -136,14 +137,14 @@ class CoherenceStage(Stage):
         c = self.config.library
         identity = {"version": COHERENCE_VERSION, "seed": c.seed, "strata_size": c.strata_size,
                     "thresholds": [c.core_min, c.random_min, c.edge_min], "min_chunk_cohesion": c.min_chunk_cohesion,
-                    "embedding_model": self.config.vocab.embedding_model, "cohesion_sample": COHESION_SAMPLE}
+                    "chunk_encoder": self.config.annotator.encoder, "cohesion_sample": COHESION_SAMPLE}
         if self.config.llm.engine == "offline":
             return identity | {"offline_null": {"sets": NULL_SETS, "curve": OFFLINE_SCORE_CURVE}}
         engine = make_engine(self.config.llm).identity()
         return identity | {"engine": engine, "prompt_sha256": coherence_prompt().sha256}
 
     def setup(self) -> None:
-        self.embedder = Embedder(self.config.vocab.embedding_model)
+        self.embedder = Embedder(self.config.annotator.encoder)  # chunks only: the tag vectors come from vocab
         self.prompt = coherence_prompt()
         self.engine = setup_engine(self.config.llm)  # None offline: embedding cohesion
 
@@ -277,7 +278,7 @@ class CoherenceStage(Stage):
         chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
         con.register("wanted", pa.table({"idx": np.arange(len(ids), dtype=np.int64),
                                          "chunk_id": pa.array(ids, pa.string())}))
-        size, vectors, done = self.config.vocab.batch_size, None, 0
+        size, vectors, done = self.config.annotator.embed_batch_size, None, 0
         slice_rows = EMBED_SLICE_BATCHES * size
         texts = record_batches(con, f"SELECT w.idx, c.chunk_text FROM wanted w JOIN read_parquet({sql_list(chunks)}) "
                                     f"c USING (chunk_id) ORDER BY w.idx", rows=slice_rows)
