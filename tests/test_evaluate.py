@@ -77,10 +77,11 @@ def test_annotator_top_concept_is_distinctive_and_representative():
     fires = (np.arange(len(labels)) % 4 == np.arange(len(labels)) // 4 % 4)[:, None]  # every label, in turn
     rare = np.where(fires, 0.9, 0.001).astype(np.float32)
     probabilities = np.column_stack([0.01 + 0.29 * own, rare])
-    e = per_source_table(doc_ids, embeddings, probabilities, labels, sources,
-                         concept_vector="probabilities")["per_source"]["news"]
-    assert e["top_concept_by_lift"]["groups"] == 5 and e["top_concept_by_lift"]["homogeneity"] < 0.9
-    assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0)
+    counts = np.column_stack([own, np.arange(len(labels)) % 9 == 0]).astype(np.float32)  # the library's: rarer
+    for vector, scores in (("probabilities", probabilities), ("share", counts)):
+        e = per_source_table(doc_ids, embeddings, scores, labels, sources, concept_vector=vector)["per_source"]["news"]
+        assert e["top_concept_by_lift"]["groups"] == 5 and e["top_concept_by_lift"]["homogeneity"] < 0.95, vector
+        assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0), vector
 
 
 def test_noise_concepts_probe_worse_than_informative_embeddings():
@@ -105,7 +106,7 @@ def test_kmeans_has_as_many_clusters_as_distinct_top_concepts():
     assert e["top_concept"]["groups"] == e["kmeans"]["k"] == 7
 
 
-def test_library_counts_share_ties_and_documents_without_concepts():
+def test_concept_sums_ties_and_documents_without_concepts():
     # a: chunks with concepts {5, 2} and {5} -> top 5; b: {4, 1}, a tie -> 1 (the smaller id); c: none -> no top
     # concept (its own group); d..g: 0; h: 1. Tie to 1: 4 distinct tops (5, 1, none, 0); to 4 it would be 5.
     doc_ids = ["a", "a", "b", "c", "d", "e", "f", "g", "h"]
@@ -113,7 +114,7 @@ def test_library_counts_share_ties_and_documents_without_concepts():
     rows, cols = [0, 0, 1, 2, 2, 4, 5, 6, 7, 8], [5, 2, 5, 4, 1, 0, 0, 0, 0, 1]
     concepts = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (rows, cols)), shape=(9, 6))
     embeddings = np.random.default_rng(0).normal(size=(9, 8))
-    e = per_source_table(doc_ids, embeddings, concepts, labels, ["s"] * 9, concept_vector="share")["per_source"]["s"]
+    e = per_source_table(doc_ids, embeddings, concepts, labels, ["s"] * 9, concept_vector="mean")["per_source"]["s"]
     assert e["top_concept"]["groups"] == e["kmeans"]["k"] == 4 and e["top_concept"]["docs_without_concepts"] == 1
     assert e["probe"]["concept_dim"] == 5  # concepts 0, 1, 2, 4, 5: the columns some document has
     assert e["probe"]["folds"] == 4 and e["docs_evaluated"] == 8 and e["chunks"] == 9

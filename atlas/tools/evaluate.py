@@ -14,7 +14,8 @@ Both commands read a ground-truth label from the chunks' metadata (``--label-fie
   as k-means.
 
 ``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags
-(``chunk_concepts``), normalized to sum 1; its top concept is the most counted (ties: the smaller id). It also
+(``chunk_concepts``), normalized to sum 1; its top concept is chosen by the same rule as the annotator's (below),
+on the counts: distinctive (lift) and representative (nearest centroid). It also
 reports, at the chunk level, for each tagged chunk's main concept (the concept most of its tags map to):
 
 - purity: the share of chunks whose concept's most common label is their own label;
@@ -24,9 +25,10 @@ reports, at the chunk level, for each tagged chunk's main concept (the concept m
   scoring "name: description" of every concept a chunk inherits against the chunk.
 
 ``eval annotator``: a document's concept vector is the mean over its chunks of the log-odds of the annotator's
-calibrated content probabilities (the probe on the mean probabilities is reported beside it); its top concept is
-the one most over-represented in it (mean probability / the concept's mean over every chunk). Every chunk of the
-corpus counts, not only the held-out ones. The
+calibrated content probabilities (the probe on the mean probabilities is reported beside it); its top concept is,
+of the few most over-represented in it (mean probability / the concept's mean over every chunk), the one whose
+centroid is nearest the document (see ``per_source_table``). Every chunk of the corpus counts, not only the
+held-out ones. The
 held-out chunk-level probes stay as they were (``predicted_concept_probabilities``, ``predicted_concepts_multi_hot``,
 ``raw_embeddings``).
 
@@ -75,18 +77,18 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
             function returning them (called likewise).
         labels: the chunk's label (None: none); a document's label is the first non-null one of its chunks.
         sources: the chunk's source (``data_src``; None: ``NO_SOURCE``); a document's is its first chunk's.
-        concept_vector: "mean": the document's vector is the mean of its chunks' rows; "share": their sum
-            normalized to sum 1 (concept counts, the library); either way the top concept is the argmax of the sum
-            (ties: the smaller id), and a document whose sum is all zero has no top concept (-1, one group).
-            "probabilities" (the annotator's calibrated probabilities): the vector is the mean of the chunks'
+        concept_vector: "mean": the document's vector is the mean of its chunks' rows and its top concept the
+            argmax of their sum (ties: the smaller id). "share": their sum normalized to sum 1 (concept counts,
+            the library). "probabilities" (the annotator's calibrated probabilities): the mean of the chunks'
             log-odds, the additive scale of evidence (a mean of saturating probabilities loses what one chunk
-            says strongly). The top concept is distinctive and representative, as a concept's name is chosen
-            among its tags: of the ``TOP_CANDIDATES`` concepts most over-represented in the document (largest
-            mean probability / the concept's mean probability over every chunk, its lift, as c-TF-IDF ranks a
-            topic's words, so a frequent broad concept does not win every document), the one whose centroid
-            (the probability-weighted mean of every chunk's embedding) is nearest the document's embedding. The
-            lift alone is reported beside it (``top_concept_by_lift``), as is the probe on the mean
-            probabilities (``concept_probabilities_accuracy``).
+            says strongly); the probe on the mean probabilities is reported beside it
+            (``concept_probabilities_accuracy``). For "share" and "probabilities" the top concept is distinctive
+            and representative, as a concept's name is chosen among its tags: of the ``TOP_CANDIDATES``
+            concepts most over-represented in the document (the mean of its chunks' rows / the concept's mean
+            over every chunk, its lift, as c-TF-IDF ranks a topic's words, so a frequent broad concept does not
+            win every document), the one whose centroid (the score-weighted mean of every chunk's embedding) is
+            nearest the document's embedding; the lift alone is reported beside it (``top_concept_by_lift``).
+            A document whose sum is all zero has no top concept (-1, one group).
         folds: most folds of the probes' StratifiedKFold (fewer when the rarest kept label has fewer documents).
         seed: seeds the folds and k-means.
         kmeans_restarts: k-means runs per source (the one with the lowest objective is kept).
@@ -150,7 +152,7 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
         from threadpoolctl import threadpool_limits
 
         prior = centroids = None
-        if concept_vector == "probabilities":  # every chunk's mean probability per concept: the lift's denominator
+        if concept_vector in ("probabilities", "share"):  # every chunk's mean per concept: the lift's denominator
             prior = np.maximum(np.asarray(concepts.mean(axis=0), dtype=np.float64).ravel(), 1e-9)
             centroids = _unit_rows(np.asarray(concepts.T @ _unit_rows(embeddings)))
         with threadpool_limits(limits=1):
@@ -178,7 +180,7 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
     summed = np.asarray(summed.toarray() if sparse.issparse(summed) else summed, dtype=np.float32)
     chunk_vectors = _unit_rows(embeddings[rows])
     raw = _unit_rows(member @ chunk_vectors)
-    scores = summed / prior if concept_vector == "probabilities" else summed  # lift: see per_source_table
+    scores = summed / prior if prior is not None else summed  # lift: see per_source_table
     top = scores.argmax(axis=1) if summed.shape[1] else np.zeros(n, dtype=np.int64)
     if summed.shape[1]:
         top[summed.max(axis=1) <= 0] = -1
