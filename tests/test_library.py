@@ -110,7 +110,8 @@ def test_small_pieces():
                      {"k": 20, "silhouette": 0.3, "davies_bouldin": 2.5},
                      {"k": 40, "silhouette": float("nan"), "davies_bouldin": float("nan")}]) == 20
     sweep = [{"k": 10, "silhouette": 0.300, "davies_bouldin": 2.0},
-             {"k": 20, "silhouette": 0.290, "davies_bouldin": 2.5}, {"k": 40, "silhouette": 0.280, "davies_bouldin": 2.0},
+             {"k": 20, "silhouette": 0.290, "davies_bouldin": 2.5},
+             {"k": 40, "silhouette": 0.280, "davies_bouldin": 2.0},
              {"k": 80, "silhouette": float("nan"), "davies_bouldin": float("nan")}]
     assert choose_k(sweep) == 10 and choose_k(sweep, 0.05) == 20 and choose_k(sweep, 0.1) == 40  # the finest as good
     # The offline coherence null: random sets of the vocabulary. A set of one direction is far above it; a set
