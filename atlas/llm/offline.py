@@ -152,9 +152,10 @@ def adverb_only(word: str) -> bool:
 
 def verb_in_context(words: list[str], i: int) -> bool:
     """Whether ``words[i]``, a word that may be a noun or a verb ("say", "think", "end"), is a verb here: after a
-    subject pronoun or an auxiliary ("they say", "you think", "won't give", "will likely end"), or before an object
-    pronoun or an article ("say they", "give the"). The lexicon alone keeps "nigeria say" and "think oil" as
-    phrases; without a tagger, these cues catch the common cases."""
+    subject pronoun, an auxiliary or "to" ("they say", "you think", "won't give", "will likely end", "to help"), or
+    before an object pronoun or an article ("say they", "give the"). The lexicon alone keeps "nigeria say" and
+    "think oil" as phrases; without a tagger, these cues catch the common cases, at the price of a noun after "to"
+    ("the road to power" loses "power" there)."""
     if not can_be_verb(words[i]):
         return False
     j = i - 1

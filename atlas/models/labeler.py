@@ -29,7 +29,8 @@ ANSWER_SCHEMA = {
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
 SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
-NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.")  # e-mail addresses, message ids, URLs
+# e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code and markup
+NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w|\w>")
 # Words that never make a name on their own (the tagger's stopwords cover the rest).
 NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
 
@@ -61,7 +62,7 @@ def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> st
     """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
     matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
     sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
-    an e-mail address or a URL are never chosen."""
+    an e-mail address, a URL or path, code in backticks or markup are never chosen."""
     # tag heads are singular: "prime number" also finds "prime numbers"
     patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
     best, best_hits = None, 0
