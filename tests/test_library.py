@@ -106,6 +106,10 @@ def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
 
 
 def test_small_pieces():
+    from atlas.stages.library import singular_name
+
+    assert [singular_name(n) for n in ("huguenots", "prime numbers", "physics", "matrices", "gauss", "x")] == [
+        "huguenot", "prime number", "physics", "matrix", "gauss", "x"]
     assert choose_k([{"k": 10, "silhouette": 0.2, "davies_bouldin": 2.0},
                      {"k": 20, "silhouette": 0.3, "davies_bouldin": 2.5},
                      {"k": 40, "silhouette": float("nan"), "davies_bouldin": float("nan")}]) == 20

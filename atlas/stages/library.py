@@ -44,14 +44,25 @@ from atlas.io import layout
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
 from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, scratch, sql_list
 from atlas.llm.engine import make_engine, setup_engine
+from atlas.llm.offline import in_lexicon, singular
 from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
-LIBRARY_VERSION = 2
+LIBRARY_VERSION = 3
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
+
+
+def singular_name(name: str) -> str:
+    """The name with its last word in the singular: from the English lexicon, else by its plural "s" ("huguenots",
+    a word the lexicon does not know), so that a name and its plural compare as one."""
+    *head, last = name.split() or [""]
+    one = singular(last)
+    if not in_lexicon(last) and len(last) > 3 and last.endswith("s") and not last.endswith(("ss", "us", "is")):
+        one = last[:-1]
+    return " ".join([*head, one])
 
 
 def word_analyzer():
@@ -232,12 +243,13 @@ class LibraryStage(Stage):
 
     def _merge_names(self, concepts: list[dict], run: RunDir, stats: Stats) -> list[dict]:
         """Concepts whose names alone are near-synonyms ("http" and "https") are one concept, whatever their
-        descriptions say: merged while two names have cosine > ``library.name_merge_tau`` (at most 3 passes)."""
+        descriptions say: merged while two names have cosine > ``library.name_merge_tau`` (at most 3 passes). Names
+        are compared in the singular ("huguenots" and "huguenot" are one name)."""
         tau, passes = self.config.library.name_merge_tau, []
         for _ in range(MAX_PASSES_PER_TAU):
             if len(concepts) < 2:
                 break
-            vectors = self._embed([x["name"] for x in concepts], run)
+            vectors = self._embed([singular_name(x["name"]) for x in concepts], run)
             vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
             similarity = vectors @ vectors.T
             np.fill_diagonal(similarity, -1)
@@ -253,8 +265,8 @@ class LibraryStage(Stage):
         from atlas.models.louvain import merge_pass  # faiss and networkx load only when a library is built
 
         c = self.config.library
-        vectors = self._embed([x["name"] if names_only else f"{x['name']}: {x['description']}" for x in concepts],
-                              run)
+        vectors = self._embed([singular_name(x["name"]) if names_only else f"{x['name']}: {x['description']}"
+                               for x in concepts], run)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         groups: dict[int, list[dict]] = {}
         for concept, community in zip(concepts, merge_pass(vectors, tau, m=c.dedup_m, seed=c.seed).tolist()):
