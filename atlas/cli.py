@@ -174,8 +174,11 @@ def cmd_inspect(args) -> int:
     if args.what == "library":  # concepts, most used first
         for row in _rows(pq.read_table(folder / "concepts.parquet"), args):
             print("-" * 100)
-            print(f"concept {row['concept_id']}: {row['name']}  ({row['chunk_count']} chunks, "
-                  f"prevalence {row['prevalence']:.4f}, merged from {len(row['merged_from'])} cluster(s))")
+            if row["domain"] != "content":  # an auxiliary label: a fixed list, counted only when the corpus is annotated
+                print(f"concept {row['concept_id']}: {row['name']}  ({row['domain']} label)")
+            else:
+                print(f"concept {row['concept_id']}: {row['name']}  ({row['chunk_count']} chunks, prevalence "
+                      f"{row['prevalence']:.4f}, merged from {len(row['merged_from'])} cluster(s))")
             print(f"    {row['description']}")
             print(f"    evidence: {', '.join(row['evidence_tags'][:8])}")
             print(f"    lifted words: {', '.join(row['lifted_words'])}")

@@ -58,18 +58,25 @@ def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other
     return next((tags[i] for i in order if valid_name(tags[i])), tags[int(order[0])])
 
 
+def prose(sentence: str) -> bool:
+    """Mostly letters and spaces, as a sentence of prose is; a line of code or a formula is not (its brackets,
+    operators and underscores)."""
+    return sum(c.isalpha() or c == " " for c in sentence) >= 0.85 * len(sentence)
+
+
 def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> str | None:
     """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
     matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
     sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
-    an e-mail address, a URL or path, code in backticks or markup are never chosen."""
+    an e-mail address, a URL or path, code in backticks or markup, or that are not prose (``prose``) are never
+    chosen."""
     # tag heads are singular: "prime number" also finds "prime numbers"
     patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
     best, best_hits = None, 0
     for text in texts:
         for sentence in SENTENCE.findall(" ".join(text.split())):
             sentence = sentence.strip()
-            if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence):
+            if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence):
                 continue
             lowered = sentence.lower()
             hits = sum(bool(p.search(lowered)) for p in patterns)
