@@ -174,7 +174,7 @@ def cmd_inspect(args) -> int:
     if args.what == "library":  # concepts, most used first
         for row in _rows(pq.read_table(folder / "concepts.parquet"), args):
             print("-" * 100)
-            if row["domain"] != "content":  # an auxiliary label: a fixed list, counted only when the corpus is annotated
+            if row["domain"] != "content":  # an auxiliary label: from a fixed list, never counted here
                 print(f"concept {row['concept_id']}: {row['name']}  ({row['domain']} label)")
             else:
                 print(f"concept {row['concept_id']}: {row['name']}  ({row['chunk_count']} chunks, prevalence "
