@@ -158,6 +158,7 @@ def _print_text(text: str, limit: int) -> None:
 
 
 def cmd_inspect(args) -> int:
+    import pyarrow.compute as pc
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
@@ -171,8 +172,11 @@ def cmd_inspect(args) -> int:
     folder = run.output_dir(args.what)
     if not sorted(folder.glob("*.parquet")):
         raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
-    if args.what == "library":  # concepts, most used first
-        for row in _rows(pq.read_table(folder / "concepts.parquet"), args):
+    if args.what == "library":  # concepts, most used first (at random: among the content concepts)
+        concepts = pq.read_table(folder / "concepts.parquet")
+        if args.random is not None:
+            concepts = concepts.filter(pc.equal(concepts["domain"], "content"))
+        for row in _rows(concepts, args):
             print("-" * 100)
             if row["domain"] != "content":  # an auxiliary label: from a fixed list, never counted here
                 print(f"concept {row['concept_id']}: {row['name']}  ({row['domain']} label)")
@@ -233,6 +237,18 @@ def _rows(table, args) -> list[dict]:
     return table.take(_row_indices(total, args)).to_pylist()
 
 
+def _tags_by_field(run, chunk_ids: list[str]) -> dict[str, dict[str, list[str]]]:
+    """chunk id -> field -> its normalized tags, for a few chunks (the tag parts are read filtered)."""
+    import pyarrow.dataset as ds
+
+    tags = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table(
+        columns=["chunk_id", "field", "tag_norm"], filter=ds.field("chunk_id").isin(chunk_ids)).to_pylist()
+    out: dict[str, dict[str, list[str]]] = {}
+    for r in tags:
+        out.setdefault(r["chunk_id"], {}).setdefault(r["field"], []).append(r["tag_norm"])
+    return out
+
+
 def _inspect_concepts(run, args) -> None:
     import pyarrow.parquet as pq
 
@@ -248,11 +264,14 @@ def _inspect_concepts(run, args) -> None:
                                 columns=["chunk_id", "domain", "split", "picked", "concepts"])
         rows = _rows(targets, args)
     texts = read_chunks(run, {r["chunk_id"] for r in rows})
+    tags = _tags_by_field(run, [r["chunk_id"] for r in rows])
     for row in rows:
         print("-" * 100)
         extra = f"  split={row['split']}  picked={row['picked']}" if "split" in row else "  (held-out)"
         print(f"chunk_id={row['chunk_id']}  domain={row['domain']}{extra}")
         _print_text(texts[row["chunk_id"]]["chunk_text"], args.chars)
+        fields = tags.get(row["chunk_id"], {})
+        print("    tags: " + "; ".join(f"{field}: {', '.join(values)}" for field, values in fields.items()))
         if args.what == "annotator":
             known = set(row["targets"])
             for g, score in zip(row["concepts"], row["concept_scores"]):

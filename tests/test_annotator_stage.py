@@ -134,8 +134,9 @@ def test_cli_annotate_inspect_and_probe(trained, capsys):
     assert main(["annotate-text", str(run.root), "The sine of an angle is the ratio of two sides.", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "content" in out and "tone" in out and out.count("(0.") >= 6
-    assert main(["inspect", str(run.root), "annotator", "-n", "2"]) == 0
-    assert "inherited target" in capsys.readouterr().out
+    assert main(["inspect", str(run.root), "annotator", "-n", "2", "--random", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "inherited target" in out and out.count("    tags: ") == 2 and out.count("chunk_id=") == 2
     assert main(["inspect", str(run.root), "targets", "-n", "2"]) == 0
     assert "split=" in capsys.readouterr().out
     assert main(["eval", "annotator", str(run.root), "--label-field", "label"]) == 0
