@@ -159,7 +159,8 @@ def test_offline_names_are_representative_distinctive_and_valid():
     assert example_sentence(["Honeymoons are long in the summer."], ["moon"]) is None  # whole words only
     assert example_sentence(["com/user/progressbar has an iter overhead. Each iter of the loop costs 800ns."],
                             ["iter"]) == "Each iter of the loop costs 800ns."  # a URL cut at its dots is no example
-    code = "my_code = iter_first_last(values: Iterable[T]) -> Iterable[Tuple[bool, T]]: yield the first value."
+    code = ("syntax import Syntax my_code = ''' def iter_first_last(values: Iterable[T]) -> Iterable[Tuple[bool, "
+            'bool, T]]: """Iterate and generate a tuple with a flag for first and last value.')
     assert example_sentence([code, "Every value has an identity and a type."], ["value"]) == (
         "Every value has an identity and a type.")  # a line of code is no example
     description = offline_description("apollo program", ["apollo program", "moon landing", "nasa"], "The Apollo…")

@@ -29,8 +29,9 @@ ANSWER_SCHEMA = {
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
 SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
-# e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code and markup
-NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w|\w>")
+# e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code (backticks,
+# snake_case names, brackets, arrows, comparisons, docstring quotes) and markup
+NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w|\w>|>\w|\w_\w|[\[\]{}]|->|==|'''|\"\"\"")
 # Words that never make a name on their own (the tagger's stopwords cover the rest).
 NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
 
