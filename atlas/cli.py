@@ -191,9 +191,10 @@ def cmd_inspect(args) -> int:
         _inspect_concepts(run, args)
         return 0
     if args.what == "tags":  # chunks with their tags, field by field
-        tags = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table().to_pylist()
-        chosen = list(dict.fromkeys(r["chunk_id"] for r in tags))
+        tagged = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table(columns=["chunk_id"])
+        chosen = list(dict.fromkeys(tagged.column("chunk_id").to_pylist()))
         chosen = [chosen[i] for i in _row_indices(len(chosen), args)]
+        tags = _tags_by_field(run, chosen)
         chunks = ds.dataset([str(p) for p in run.parts(layout.CHUNKS)], format="parquet")
         texts = {r["chunk_id"]: r for r in chunks.to_table(
             filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
@@ -202,11 +203,7 @@ def cmd_inspect(args) -> int:
             print("-" * 100)
             print(f"chunk_id={chunk_id}  domain={chunk['domain']}  n_tokens={chunk['n_tokens']}")
             _print_text(chunk["chunk_text"], args.chars)
-            fields: dict[str, list[str]] = {}
-            for r in tags:
-                if r["chunk_id"] == chunk_id:
-                    fields.setdefault(r["field"], []).append(r["tag_norm"])
-            for field, values in fields.items():
+            for field, values in tags.get(chunk_id, {}).items():
                 print(f"    {field}: {', '.join(values)}")
         return 0
     parts = [str(p) for p in run.parts(args.what)]

