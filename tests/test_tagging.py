@@ -109,6 +109,15 @@ def test_candidate_phrases_and_mmr():
                              "the strike will likely end. The end of the strike came.")
     assert {"oil company", "nigeria", "strike", "end"} <= set(news)
     assert not {p for p in news if {"say", "give", "think", "now"} & set(p.split())}
+    # mathematics names points and variables, not topics; a price's "$" is no formula; a number ends a phrase
+    math = candidate_phrases("In triangle $ABC$, the bisector meets $BC$ at $D$. Find $a+b+c$ if \\[x^2+y^2=1.\\] "
+                             "[asy] pair pc = dir(30); label(\"$P$\", pc); [/asy] The circle has radius 3.")
+    assert {"triangle", "bisector", "circle", "radius"} <= set(math)
+    assert not {p for p in math if {"abc", "bc", "a+b", "pc", "dir", "pair", "label"} & set(p.split())}
+    money = candidate_phrases("Acme raised $5 million for the new stadium and $10 more for C++ and C# courses, "
+                              "although the late 19th century stadium was sold.")
+    assert {"stadium", "c++", "c# course", "century"} <= set(money)
+    assert not {p for p in money if {"th", "although", "late"} & set(p.split())}
     assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
     assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
     values = [f"v{i}" for i in range(20)]

@@ -46,6 +46,10 @@ STOPWORDS = frozenset(
     like get got use used using via per etc e.g i.e yes ok many much new first last well even still however thus
     therefore q a re subject writes wrote article et al ie eg vs now today yesterday tomorrow tonight ago soon later
     recently currently""".split()
+) | frozenset(  # conjunctions, prepositions and pronouns outside lemminflect's lexicon, which would pass as nouns
+    """although though whereas unless whether among amongst upon toward towards despite behind beside besides onto
+    till unto every another either neither none something anything everything nothing someone anyone everyone
+    somebody anybody everybody nobody""".split()
 ) | frozenset(  # number words: "four years", "zero" are quantities, not topics
     """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
     nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
@@ -61,9 +65,12 @@ CODE_STOPWORDS = frozenset(
 # Context cues of a verb (see verb_in_context): what comes before a verb, and what follows one.
 VERB_BEFORE = frozenset("""i you we they he she it who will would can could should may might must shall won't wouldn't
     can't cannot couldn't shouldn't don't doesn't didn't do does did to not""".split())
-VERB_AFTER = frozenset("the a an they he she we i you it them him us this these those their his its our my your"
-                       .split())
-WORD = re.compile(r"[A-Za-z][A-Za-z'+#]*[A-Za-z+#]|[A-Za-z]")
+VERB_AFTER = frozenset("the a an they he she we i you it me them him us this these those their his its our my your "
+                       "up out off away".split())  # an object, or a verb's particle ("wraps up", "strikes me")
+# A word, or a token with a digit ("19th", "3x", "2004"): a number is no topic word and ends a phrase, so
+# "late 19th century" gives "century", not "late th century". "+" and "#" only end a word ("c++", "c#"): "a+b" is
+# a formula.
+WORD = re.compile(r"[A-Za-z0-9]*[0-9][A-Za-z0-9]*|[A-Za-z](?:[A-Za-z']*[A-Za-z])?(?:\+\+|#)?")
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 CAMEL = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 # A phrase never spans punctuation, a dash between spaces or a blank line (one newline is often a wrapped line).
@@ -78,6 +85,11 @@ CANDIDATE_MIN_Z = 2.5
 
 # Not words of the text's topic: URLs, e-mail addresses and message ids, LaTeX commands ("\\frac", "\\cdot").
 NOT_PROSE = re.compile(r"https?://\S+|www\.\S+|\S+@\S+|<[^<>\s]+>|\\[A-Za-z]+")
+# Mathematics, which names points and variables ("$ABC$", "$a+b$"), not topics: display and inline TeX, and Asymptote
+# figures. An inline "$" pair follows pandoc's rule (no space inside either "$", no digit after the closing one), so
+# the prices in "$5 million for the stadium and $10 more" stay prose.
+MATH = re.compile(r"\$\$[\s\S]*?\$\$|\\\[[\s\S]*?\\\]|\\\([\s\S]*?\\\)|\[asy\][\s\S]*?\[/asy\]"
+                  r"|\\begin\{([a-z]+\*?)\}[\s\S]*?\\end\{\1\}|\$(?=[^\s$])(?:\\.|[^$\\])*?(?<=[^\s$\\])\$(?!\d)")
 COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
 
 
@@ -97,7 +109,7 @@ def word_class(word: str) -> str:
     "causing", "instead") end it, as stopwords do. Words outside the lexicon are names, jargon or
     identifiers ("tesla", "stderr"): nouns.
     """
-    if word in STOPWORDS or len(word) < 2:
+    if word in STOPWORDS or len(word) < 2 or not word[0].isalpha():
         return "break"
     pos = lemmas(word)
     if not pos or "NOUN" in pos or "PROPN" in pos:
@@ -179,7 +191,8 @@ def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES
     """
     counts: Counter[str] = Counter()
     first: dict[str, int] = {}
-    prose = [NOT_PROSE.sub(" ", part) for part in (COMMENT_OR_DOCSTRING.findall(text) if code else [text])]
+    prose = [NOT_PROSE.sub(" ", MATH.sub(" . ", part))
+             for part in (COMMENT_OR_DOCSTRING.findall(text) if code else [text])]
     runs = [run for part in prose for clause in CLAUSE_BREAK.split(part) for run in _runs(_words(clause), STOPWORDS)]
     if code:
         stop = STOPWORDS | CODE_STOPWORDS
@@ -229,7 +242,7 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 6}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 7}
 
     def setup(self) -> None:
         self.embedder.setup()
