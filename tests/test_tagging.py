@@ -118,6 +118,7 @@ def test_candidate_phrases_and_mmr():
                               "although the late 19th century stadium was sold.")
     assert {"stadium", "c++", "c# course", "century"} <= set(money)
     assert not {p for p in money if {"th", "although", "late"} & set(p.split())}
+    assert "galissonnière" in candidate_phrases("The cruiser La Galissonnière sailed.")  # one word, any alphabet
     assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
     assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
     values = [f"v{i}" for i in range(20)]

@@ -49,7 +49,7 @@ STOPWORDS = frozenset(
 ) | frozenset(  # conjunctions, prepositions and pronouns outside lemminflect's lexicon, which would pass as nouns
     """although though whereas unless whether among amongst upon toward towards despite behind beside besides onto
     till unto every another either neither none something anything everything nothing someone anyone everyone
-    somebody anybody everybody nobody""".split()
+    somebody anybody everybody nobody th nd rd""".split()  # "th": an ordinal's suffix cut off its number
 ) | frozenset(  # number words: "four years", "zero" are quantities, not topics
     """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
     nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
@@ -67,10 +67,10 @@ VERB_BEFORE = frozenset("""i you we they he she it who will would can could shou
     can't cannot couldn't shouldn't don't doesn't didn't do does did to not""".split())
 VERB_AFTER = frozenset("the a an they he she we i you it me them him us this these those their his its our my your "
                        "up out off away".split())  # an object, or a verb's particle ("wraps up", "strikes me")
-# A word, or a token with a digit ("19th", "3x", "2004"): a number is no topic word and ends a phrase, so
-# "late 19th century" gives "century", not "late th century". "+" and "#" only end a word ("c++", "c#"): "a+b" is
-# a formula.
-WORD = re.compile(r"[A-Za-z0-9]*[0-9][A-Za-z0-9]*|[A-Za-z](?:[A-Za-z']*[A-Za-z])?(?:\+\+|#)?")
+# A word (of any alphabet: "Galissonnière" is one word, not "galissonni"), or a token with a digit ("19th", "3x",
+# "2004"): a number is no topic word and ends a phrase, so "late 19th century" gives "century", not "late th
+# century". "+" and "#" only end a word ("c++", "c#"): "a+b" is a formula.
+WORD = re.compile(r"[^\W_]*\d[^\W_]*|[^\W\d_](?:(?:[^\W\d_]|')*[^\W\d_])?(?:\+\+|#)?")
 IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 CAMEL = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 # A phrase never spans punctuation, a dash between spaces or a blank line (one newline is often a wrapped line).
