@@ -11,7 +11,7 @@ import pytest
 from scipy import sparse
 
 from atlas.cli import main
-from atlas.tools.evaluate import format_per_source, per_source_table
+from atlas.tools.evaluate import KMEANS_SEEDS, format_per_source, per_source_table
 
 
 def synthetic(n_docs=120, n_labels=4, dim=16, source="news", seed=0, chunks_per_doc=(1, 4), separated=False):
@@ -47,6 +47,9 @@ def test_concepts_equal_to_the_labels_are_perfectly_homogeneous():
     assert e["probe"]["concept_accuracy"] == 1.0 and e["probe"]["ratio"] >= 1
     assert e["majority_baseline"] == pytest.approx(0.25) and e["probe"]["folds"] == 5
     assert e["kmeans"]["k"] == 4 and e["kmeans"]["homogeneity"] < 0.5  # noise embeddings: k-means finds no labels
+    seeds = e["kmeans"]["homogeneity_seeds"]  # its spread over seeds, the noise a gap is read against
+    assert len(seeds) == KMEANS_SEEDS and seeds[0] == e["kmeans"]["homogeneity"] and len(set(seeds)) > 1
+    assert e["kmeans"]["homogeneity_sd"] == pytest.approx(np.std(seeds)) and max(seeds) < 0.5
     assert e["homogeneity_ratio"] > 1
     overall = result["overall"]
     assert overall["sources_evaluated"] == ["news"] and overall["all_sources_at_least_baseline"] is True
