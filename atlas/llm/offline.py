@@ -60,7 +60,8 @@ CODE_STOPWORDS = frozenset(
     continue try except finally raise with as lambda yield assert del global nonlocal print len range int str float
     list dict set tuple bool object args kwargs init main name doc test tests param params type value values result res
     tmp temp var val arr num idx i j k n m x y z a b c d e f g h p q r s t u v w l o function var let const new public
-    private static void null this return true false string int32 int64 elif np os sys re typing optional any""".split()
+    private static void null this return true false string int32 int64 elif np os sys re typing optional any
+    doctest testmod""".split()
 )
 # Context cues of a verb (see verb_in_context): what comes before a verb, and what follows one.
 VERB_BEFORE = frozenset("""i you we they he she it who will would can could should may might must shall won't wouldn't
