@@ -49,7 +49,7 @@ STOPWORDS = frozenset(
 ) | frozenset(  # conjunctions, prepositions and pronouns outside lemminflect's lexicon, which would pass as nouns
     """although though whereas unless whether among amongst upon toward towards despite behind beside besides onto
     till unto every another either neither none something anything everything nothing someone anyone everyone
-    somebody anybody everybody nobody th nd rd""".split()  # "th": an ordinal's suffix cut off its number
+    somebody anybody everybody nobody th nd rd""".split()  # "th": what is left of "$n$th" once the formula is cut
 ) | frozenset(  # number words: "four years", "zero" are quantities, not topics
     """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
     nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
