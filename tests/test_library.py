@@ -157,6 +157,8 @@ def test_offline_names_are_representative_distinctive_and_valid():
     assert best == "The Apollo program landed astronauts on the Moon in 1969."  # the e-mail line is no example
     assert example_sentence(["- Nigel Tufnel, _Spinal Tap_ and friends"], ["nerve", "neuron"]) is None
     assert example_sentence(["Honeymoons are long in the summer."], ["moon"]) is None  # whole words only
+    assert example_sentence(["\\ / Repent of your evil irrational numbers .", "The decimal places of pi go on."],
+                            ["decimal", "number"]) == "The decimal places of pi go on."  # ASCII art is no example
     assert example_sentence(["com/user/progressbar has an iter overhead. Each iter of the loop costs 800ns."],
                             ["iter"]) == "Each iter of the loop costs 800ns."  # a URL cut at its dots is no example
     code = ("syntax import Syntax my_code = ''' def iter_first_last(values: Iterable[T]) -> Iterable[Tuple[bool, "

@@ -69,15 +69,16 @@ def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> st
     """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
     matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
     sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
-    an e-mail address, a URL or path, code in backticks or markup, or that are not prose (``prose``) are never
-    chosen."""
+    an e-mail address, a URL or path, code in backticks or markup, that are not prose (``prose``) or do not begin
+    with a letter, a digit, a quote or a parenthesis (a quoted line, ASCII art) are never chosen."""
     # tag heads are singular: "prime number" also finds "prime numbers"
     patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
     best, best_hits = None, 0
     for text in texts:
         for sentence in SENTENCE.findall(" ".join(text.split())):
             sentence = sentence.strip()
-            if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence):
+            if (len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence)
+                    or not (sentence[0].isalnum() or sentence[0] in "\"'“‘(")):  # "\ / Repent ...": a signature
                 continue
             lowered = sentence.lower()
             hits = sum(bool(p.search(lowered)) for p in patterns)

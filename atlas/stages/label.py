@@ -40,7 +40,7 @@ from atlas.models.labeler import (
     valid_name,
 )
 
-LABEL_VERSION = 6
+LABEL_VERSION = 7
 EVIDENCE_KEPT = 20
 EXAMPLES = 3  # representative chunks per cluster
 LABEL_SCHEMA = pa.schema(
