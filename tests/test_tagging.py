@@ -98,6 +98,11 @@ def test_candidate_phrases_and_mmr():
     code = candidate_phrases('def binary_search(sortedList, target):\n    """Bisection search."""\n    return -1',
                              code=True)
     assert {"binary search", "bisection search", "target"} <= set(code) and "def" not in code
+    doctest = candidate_phrases('def caesar(text):\n    """Shift each letter.\n\n'
+                                '    >>> from string import ascii_letters\n'
+                                '    >>> caesar("abc")  # doctest: +NORMALIZE_WHITESPACE\n    """', code=True)
+    assert {"letter", "caesar"} <= set(doctest) and not {"string import ascii", "ascii letter", "whitespace"} & set(
+        doctest)  # a docstring's doctest lines are code, not prose
     # noun phrases within a clause: verbs, adverbs, numbers and punctuation end a phrase; heads are singular
     prose = candidate_phrases("Susan gives Robert four cats. The prime numbers reach zero, causing errors instead. "
                               "Mail kolstad@cae.wisc.edu or see http://example.com/x about \\frac{1}{2} fractions.")

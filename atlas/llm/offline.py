@@ -92,6 +92,9 @@ NOT_PROSE = re.compile(r"https?://\S+|www\.\S+|\S+@\S+|<[^<>\s]+>|\\[A-Za-z]+")
 MATH = re.compile(r"\$\$[\s\S]*?\$\$|\\\[[\s\S]*?\\\]|\\\([\s\S]*?\\\)|\[asy\][\s\S]*?\[/asy\]"
                   r"|\\begin\{([a-z]+\*?)\}[\s\S]*?\\end\{\1\}|\$(?=[^\s$])(?:\\.|[^$\\])*?(?<=[^\s$\\])\$(?!\d)")
 COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
+# Code inside the prose of code: a docstring's doctest lines (">>> from string import ascii_letters") and doctest
+# directives ("# doctest: +ELLIPSIS").
+DOCTEST = re.compile(r"^[ \t]*(?:>>>|\.\.\.)[^\n]*|#[ \t]*doctest:[^\n]*", re.MULTILINE)
 
 
 @lru_cache(maxsize=200_000)
@@ -187,18 +190,19 @@ def _words(clause: str) -> list[str]:
 def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:
     """Noun phrases of 1-3 words within a clause, pre-ranked by count, length and first position.
 
-    For code, phrases come from comments and docstrings (as prose) and from identifiers split into
-    words (``binary_search``, ``binarySearch`` -> "binary search"), never across two identifiers.
+    For code, phrases come from comments and docstrings (as prose, without their doctest lines) and from
+    identifiers split into words (``binary_search``, ``binarySearch`` -> "binary search"), never across two
+    identifiers.
     """
     counts: Counter[str] = Counter()
     first: dict[str, int] = {}
-    prose = [NOT_PROSE.sub(" ", MATH.sub(" . ", part))
-             for part in (COMMENT_OR_DOCSTRING.findall(text) if code else [text])]
+    parts = [DOCTEST.sub(" . ", part) for part in COMMENT_OR_DOCSTRING.findall(text)] if code else [text]
+    prose = [NOT_PROSE.sub(" ", MATH.sub(" . ", part)) for part in parts]
     runs = [run for part in prose for clause in CLAUSE_BREAK.split(part) for run in _runs(_words(clause), STOPWORDS)]
     if code:
         stop = STOPWORDS | CODE_STOPWORDS
         identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
-                       for name in IDENTIFIER.findall(text)]
+                       for name in IDENTIFIER.findall(DOCTEST.sub(" ", text))]
         runs += [run for parts in identifiers for run in _runs(parts, stop)]
     _phrases_of_runs(runs, counts, first)
     ranked = sorted(counts, key=lambda p: (-counts[p] * (1 + 0.5 * p.count(" ")), first[p], p))
@@ -243,7 +247,7 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 8}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 9}
 
     def setup(self) -> None:
         self.embedder.setup()
