@@ -60,25 +60,26 @@ def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other
 
 
 def prose(sentence: str) -> bool:
-    """Mostly letters and spaces, as a sentence of prose is; a line of code or a formula is not (its brackets,
-    operators and underscores)."""
-    return sum(c.isalpha() or c == " " for c in sentence) >= 0.85 * len(sentence)
+    """Begins with a letter, a digit, a quote or a parenthesis and is mostly letters and spaces, as a sentence of
+    prose is; a line of code or a formula is not (its brackets, operators and underscores), nor a quoted line or
+    ASCII art ("\\ / Repent ...", a signature)."""
+    return (bool(sentence) and (sentence[0].isalnum() or sentence[0] in "\"'“‘(")
+            and sum(c.isalpha() or c == " " for c in sentence) >= 0.85 * len(sentence))
 
 
 def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> str | None:
     """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
     matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
     sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
-    an e-mail address, a URL or path, code in backticks or markup, that are not prose (``prose``) or do not begin
-    with a letter, a digit, a quote or a parenthesis (a quoted line, ASCII art) are never chosen."""
+    an e-mail address, a URL or path, code in backticks or markup, or that are not prose (``prose``: this also
+    rules out a quoted line or ASCII art) are never chosen."""
     # tag heads are singular: "prime number" also finds "prime numbers"
     patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
     best, best_hits = None, 0
     for text in texts:
         for sentence in SENTENCE.findall(" ".join(text.split())):
             sentence = sentence.strip()
-            if (len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence)
-                    or not (sentence[0].isalnum() or sentence[0] in "\"'“‘(")):  # "\ / Repent ...": a signature
+            if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence):
                 continue
             lowered = sentence.lower()
             hits = sum(bool(p.search(lowered)) for p in patterns)
