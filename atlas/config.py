@@ -181,6 +181,10 @@ class LibraryConfig(Section):
     k: int | None = None
     # ... the largest k of the sweep whose silhouette is within this share of the best (0: the best silhouette)
     k_tolerance: float = Field(default=0.05, ge=0, lt=1)
+    # What k-means clusters: "occurrences" weights each tag by how often it was produced, so centroids go where the
+    # corpus' tags are ("equation" x55 and "polynomial" x30 get their own concepts rather than sharing one with 37
+    # rare variants); "tags" weighs every distinct tag alike.
+    cluster_weights: Literal["occurrences", "tags"] = "occurrences"
     # Coherence filter (paper: core >= 9, random >= 8, edge >= 7 on a 1-10 scale, sets of 10 tags).
     strata_size: int = Field(default=10, ge=2)
     core_min: int = Field(default=9, ge=1, le=10)

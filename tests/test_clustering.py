@@ -59,6 +59,21 @@ def test_kmeans_with_k_at_least_n_returns_the_points(k):
     np.testing.assert_allclose(similarity, 1.0, atol=1e-5)
 
 
+def test_kmeans_weights_count_a_row_that_many_times():
+    # One centroid is the normalized mean of its points: with weights, the weighted mean (a tag produced 900 times
+    # pulls its concept's centroid 900 times as hard as a tag produced once).
+    x = _unit(np.random.default_rng(2).standard_normal((30, 8)))
+    weights = np.arange(1, 31, dtype=np.float32) ** 2
+    weighted_mean = _unit((weights[:, None] * x).sum(axis=0, keepdims=True))
+    np.testing.assert_allclose(kmeans(x, 1, weights=weights), weighted_mean, atol=1e-5)
+    np.testing.assert_allclose(kmeans(x, 1), _unit(x.sum(axis=0, keepdims=True)), atol=1e-5)
+    assert (kmeans(x, 1) @ weighted_mean.T).item() < 0.9  # the two differ on this data
+    with pytest.raises(ValueError, match="positive"):
+        kmeans(x, 2, weights=np.zeros(30))
+    with pytest.raises(ValueError, match="one per row"):
+        kmeans(x, 2, weights=np.ones(29))
+
+
 def test_kmeans_rejects_bad_input():
     with pytest.raises(ValueError):
         kmeans(np.zeros((0, 4), dtype=np.float32), 2)

@@ -99,6 +99,22 @@ def test_noise_concepts_probe_worse_than_informative_embeddings():
     assert overall["all_sources_at_least_baseline"] is False and overall["all_sources_at_least_baseline_ami"] is False
 
 
+def test_tag_shares_probe_beside_the_concepts():
+    """The library eval also probes the documents' own tags: tags that name the label (one per label, among noise
+    tags every document has) read it perfectly, while noise concepts do not; the table prints that line."""
+    doc_ids, embeddings, labels, sources = synthetic(separated=True)
+    label_tag = sparse.csr_matrix(one_hot(labels, 4))
+    tags = sparse.hstack([label_tag, sparse.csr_matrix(np.ones((len(labels), 3), dtype=np.float32))]).tocsr()
+    noise = np.random.default_rng(1).random((len(doc_ids), 50)).astype(np.float32)
+    summary = per_source_table(doc_ids, embeddings, noise, labels, sources, concept_vector="share", tags=lambda: tags)
+    probe = summary["per_source"]["news"]["probe"]
+    assert probe["tags_accuracy"] == 1.0 and probe["tags_dim"] == 7 and probe["concept_accuracy"] < 0.6
+    line = format_per_source(summary)[-1]
+    assert line.startswith("the same probe on the documents' own tags") and "news 1.000 (1.00 of raw)" in line
+    assert "tags_accuracy" not in per_source_table(doc_ids, embeddings, noise, labels, sources)["per_source"]["news"][
+        "probe"]
+
+
 def test_kmeans_has_as_many_clusters_as_distinct_top_concepts():
     doc_ids, embeddings, labels, sources = synthetic(n_docs=60, chunks_per_doc=(1, 2))  # one chunk per document
     docs = sorted(set(doc_ids))

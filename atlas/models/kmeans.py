@@ -30,7 +30,7 @@ def _normalize(x: np.ndarray) -> np.ndarray:
 
 
 def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per_centroid: int = 256,
-           verbose: bool = False) -> np.ndarray:
+           verbose: bool = False, weights: np.ndarray | None = None) -> np.ndarray:
     """Spherical k-means with FAISS: fit on a sample, so that assigning everything is the only pass over all points.
 
     When ``x`` has more than ``k * max_points_per_centroid`` rows, a random subsample of that many (drawn with
@@ -56,6 +56,9 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
         niter: Most Lloyd iterations; FAISS stops earlier once an iteration no longer lowers the objective.
         max_points_per_centroid: Size of the training subsample per centroid (FAISS' default is 256).
         verbose: Let FAISS print its sampling and per-iteration progress.
+        weights: Optional positive weight of each row, shape (n,): the centroids minimize the weighted objective, as
+            if row i were ``weights[i]`` identical points (a tag weighted by its occurrences clusters the
+            occurrences). A subsample keeps its rows' weights.
 
     Returns:
         Centroids, float32 array of shape (min(k, n), d) with L2-normalized rows.
@@ -68,17 +71,20 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
     n, d = np.shape(x)
+    if weights is not None and (np.shape(weights) != (n,) or not np.all(np.asarray(weights) > 0)):
+        raise ValueError(f"weights must be {n} positive numbers, one per row; got shape {np.shape(weights)}")
     if k >= n:
         return _normalize(x)
     if n > k * max_points_per_centroid:  # sample here, so only the sampled rows of a memory map are ever read
         rows = np.sort(np.random.default_rng([seed, 3]).choice(n, k * max_points_per_centroid, replace=False))
         x = x[rows]
+        weights = None if weights is None else np.asarray(weights)[rows]
     x = np.ascontiguousarray(x, dtype=np.float32)
     # min_points_per_centroid only controls FAISS' "please provide at least ... points" warning on stderr; the
     # k grid deliberately goes down to ~5 points per cluster, so the warning would only be noise.
     km = faiss.Kmeans(d, k, niter=niter, seed=seed, spherical=True, max_points_per_centroid=max_points_per_centroid,
                       min_points_per_centroid=1, verbose=verbose, gpu=faiss.get_num_gpus() > 0)
-    km.train(x)
+    km.train(x, weights=None if weights is None else np.ascontiguousarray(weights, dtype=np.float32))
     return _normalize(km.centroids)
 
 

@@ -17,8 +17,9 @@ Both commands read a ground-truth label from the chunks' metadata (``--label-fie
 
 ``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags
 (``chunk_concepts``), normalized to sum 1; its top concept is chosen by the same rule as the annotator's (below),
-on the counts: distinctive (lift) and representative (nearest centroid). It also
-reports, at the chunk level, for each tagged chunk's main concept (the concept most of its tags map to):
+on the counts: distinctive (lift) and representative (nearest centroid). The same probe runs on the document's
+own tags (shares of the vocabulary's tags, ``tags_accuracy``): what the symbols the concepts come from carry. It
+also reports, at the chunk level, for each tagged chunk's main concept (the concept most of its tags map to):
 
 - purity: the share of chunks whose concept's most common label is their own label;
 - NMI: normalized mutual information between main concept and label (scikit-learn);
@@ -55,6 +56,7 @@ from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.chunks import sample_position, sample_threshold
 from atlas.io.library import chunk_concepts, load_library
+from atlas.io.tags import load_vocab
 
 NO_SOURCE = "(no data_src)"  # the source name of chunks whose data_src is null
 PROBE_BATCH = 4096  # chunks per call of the annotator's heads (bounds the auxiliary domains' probabilities)
@@ -71,7 +73,7 @@ KMEANS_SEEDS = 5
 # --- the per-source, document-level table (no run needed: arrays in, dict out) --------------------------------------
 
 def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_vector: str = "mean",
-                     folds: int = 5, seed: int = 0, kmeans_restarts: int = 3) -> dict:
+                     folds: int = 5, seed: int = 0, kmeans_restarts: int = 3, tags=None) -> dict:
     """Per labelled source, document-level probes and homogeneity of top concepts vs a k-means baseline.
 
     Args (one row per chunk, all aligned):
@@ -97,6 +99,10 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
         folds: most folds of the probes' StratifiedKFold (fewer when the rarest kept label has fewer documents).
         seed: seeds the folds and k-means (whose spread is measured with the next ``KMEANS_SEEDS - 1`` seeds too).
         kmeans_restarts: k-means runs per source (the one with the lowest objective is kept).
+        tags: optional [n_chunks, n_tags] counts of each chunk's tags (scipy sparse), or a function returning them:
+            the same probe on the document's tag shares is reported beside the others (``tags_accuracy``). Tags
+            are what a library's hard tag -> concept map starts from, so this probe says how much of the gap to
+            the raw embedding is the map's and how much is already in the tags as symbols.
 
     A source is evaluated when at least 2 distinct labels occur among its documents; labels with fewer than 2
     documents are then dropped (counted), and the source is skipped if fewer than 2 labels are left. Skipped
@@ -146,6 +152,7 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
     if plans:
         embeddings = embeddings() if callable(embeddings) else embeddings
         concepts = concepts() if callable(concepts) else concepts
+        tags = tags() if callable(tags) else tags
         if embeddings.shape[0] != n_chunks or concepts.shape[0] != n_chunks:
             raise ValueError(f"embeddings ({embeddings.shape[0]} rows) and concepts ({concepts.shape[0]} rows) must "
                              f"have one row per chunk ({n_chunks})")
@@ -165,13 +172,13 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
                 truth = np.asarray([doc_label[d] for d in evaluated])
                 table[source] |= _evaluate_source(np.asarray(evaluated), truth, inverse, len(docs), embeddings,
                                                   concepts, concept_vector, folds, seed, kmeans_restarts, prior,
-                                                  centroids)
+                                                  centroids, tags)
     return {"documents": len(docs), "per_source": table, "overall": _overall(table)}
 
 
 def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarray, n_docs: int, embeddings,
                      concepts, concept_vector: str, folds: int, seed: int, restarts: int, prior=None,
-                     centroids=None) -> dict:
+                     centroids=None, tags=None) -> dict:
     from scipy import sparse
     from sklearn.metrics import homogeneity_score
 
@@ -209,6 +216,11 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
         features["concept_probabilities"] = vectors
         log_odds = np.asarray(member @ np.log(p / (1 - p)), dtype=np.float32)
         vectors = log_odds / np.bincount(chunk_doc, minlength=n)[:, None]
+    if tags is not None:  # the document's share of each of its tags (only the tags its documents have: dense)
+        counts = (member @ tags[rows]).tocsc()
+        counts = counts[:, np.flatnonzero(counts.getnnz(axis=0))].toarray().astype(np.float32)
+        total = counts.sum(axis=1, keepdims=True)
+        features["tags"] = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
 
     probe = _probes(truth, {"concept": vectors, "raw": raw} | features, folds, seed)
     k = len(np.unique(top))
@@ -384,6 +396,11 @@ def format_per_source(summary: dict) -> list[str]:
                      f"(homogeneity): {'yes' if o['all_sources_at_least_baseline'] else 'no'}")
     else:
         lines.append("overall: no source has 2 or more labels with 2 or more documents each; nothing evaluated")
+    with_tags = {s: e["probe"] for s, e in table.items() if "tags_accuracy" in e.get("probe", {})}
+    if with_tags:
+        lines.append("the same probe on the documents' own tags (tag shares, what the concepts are mapped from): " +
+                     ", ".join(f"{s} {p['tags_accuracy']:.3f} ({p['tags_accuracy'] / p['raw_accuracy']:.2f} of raw)"
+                               for s, p in with_tags.items() if p["raw_accuracy"] > 0))
     return lines
 
 
@@ -518,6 +535,18 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
                     c.append(concept - offset)
         return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), size))
 
+    def tag_counts():
+        """[n_chunks, n_tags] sparse: 1 where the chunk has the vocabulary's tag."""
+        row = {chunk_id: i for i, chunk_id in enumerate(chunks["chunk_id"])}
+        r, c = [], []
+        for tag, chunk_ids in enumerate(load_vocab(run, ["chunk_ids"])[0].column("chunk_ids").to_pylist()):
+            for chunk_id in chunk_ids:
+                if chunk_id in row:
+                    r.append(row[chunk_id])
+                    c.append(tag)
+        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)),
+                                 shape=(len(chunks["chunk_id"]), max(c, default=-1) + 1))
+
     where = {}
 
     def embeddings():
@@ -526,7 +555,7 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
         return vectors
 
     table = per_source_table(chunks["doc_id"], embeddings, concept_counts, chunk_labels, chunks["data_src"],
-                             concept_vector="share", seed=seed)
+                             concept_vector="share", seed=seed, tags=tag_counts)
     summary |= where | table
 
     rng = np.random.default_rng(seed)
