@@ -191,6 +191,7 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
                                shape=(n, len(rows)))
     summed = member @ concepts[rows]
     summed = np.asarray(summed.toarray() if sparse.issparse(summed) else summed, dtype=np.float32)
+    chunks_per_doc = np.bincount(chunk_doc, minlength=n)[:, None]
     chunk_vectors = _unit_rows(embeddings[rows])
     raw = _unit_rows(member @ chunk_vectors)
     scores = summed / prior if prior is not None else summed  # lift: see per_source_table
@@ -201,26 +202,23 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
         top[:] = -1
     by_lift = None
     if centroids is not None and summed.shape[1]:
-        lift = scores / np.bincount(chunk_doc, minlength=n)[:, None]  # of the mean probability: the sum's / count
+        lift = scores / chunks_per_doc  # of the mean probability: the sum's / count
         by_lift, top = top, np.where(top < 0, -1, _representative_top(lift, raw, centroids))
     features = {}
     if concept_vector in ("mean", "probabilities"):
-        vectors = summed / np.bincount(chunk_doc, minlength=n)[:, None]
+        vectors = summed / chunks_per_doc
     elif concept_vector == "share":
-        total = summed.sum(axis=1, keepdims=True)
-        vectors = np.divide(summed, total, out=np.zeros_like(summed), where=total > 0)
+        vectors = _shares(summed)
     else:
         raise ValueError(f"concept_vector must be 'mean', 'share' or 'probabilities', not {concept_vector!r}")
     if concept_vector == "probabilities":
         p = np.clip(np.asarray(concepts[rows], dtype=np.float64), 1e-6, 1 - 1e-6)
         features["concept_probabilities"] = vectors
         log_odds = np.asarray(member @ np.log(p / (1 - p)), dtype=np.float32)
-        vectors = log_odds / np.bincount(chunk_doc, minlength=n)[:, None]
+        vectors = log_odds / chunks_per_doc
     if tags is not None:  # the document's share of each of its tags (only the tags its documents have: dense)
         counts = (member @ tags[rows]).tocsc()
-        counts = counts[:, np.flatnonzero(counts.getnnz(axis=0))].toarray().astype(np.float32)
-        total = counts.sum(axis=1, keepdims=True)
-        features["tags"] = np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
+        features["tags"] = _shares(counts[:, np.flatnonzero(counts.getnnz(axis=0))].toarray().astype(np.float32))
 
     probe = _probes(truth, {"concept": vectors, "raw": raw} | features, folds, seed)
     k = len(np.unique(top))
@@ -249,6 +247,12 @@ def _representative_top(lift: np.ndarray, documents: np.ndarray, centroids: np.n
     cosine = np.where(lift[rows, candidates] > CANDIDATE_MIN_LIFT, cosine, -np.inf)
     best = np.where(np.isfinite(cosine).any(axis=1), cosine.argmax(axis=1), lift[rows, candidates].argmax(axis=1))
     return candidates[rows[:, 0], best]
+
+
+def _shares(counts: np.ndarray) -> np.ndarray:
+    """Each row divided by its sum (a row of zeros stays zero)."""
+    total = counts.sum(axis=1, keepdims=True)
+    return np.divide(counts, total, out=np.zeros_like(counts), where=total > 0)
 
 
 def _unit_rows(x) -> np.ndarray:
@@ -539,13 +543,14 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
         """[n_chunks, n_tags] sparse: 1 where the chunk has the vocabulary's tag."""
         row = {chunk_id: i for i, chunk_id in enumerate(chunks["chunk_id"])}
         r, c = [], []
-        for tag, chunk_ids in enumerate(load_vocab(run, ["chunk_ids"])[0].column("chunk_ids").to_pylist()):
+        vocab = load_vocab(run, ["chunk_ids"])[0]
+        for tag, chunk_ids in enumerate(vocab.column("chunk_ids").to_pylist()):
             for chunk_id in chunk_ids:
                 if chunk_id in row:
                     r.append(row[chunk_id])
                     c.append(tag)
         return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)),
-                                 shape=(len(chunks["chunk_id"]), max(c, default=-1) + 1))
+                                 shape=(len(chunks["chunk_id"]), vocab.num_rows))
 
     where = {}
 
