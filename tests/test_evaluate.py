@@ -11,7 +11,7 @@ import pytest
 from scipy import sparse
 
 from atlas.cli import main
-from atlas.tools.evaluate import KMEANS_SEEDS, format_per_source, per_source_table
+from atlas.tools.evaluate import KMEANS_SEEDS, _probes, format_per_source, per_source_table
 
 
 def synthetic(n_docs=120, n_labels=4, dim=16, source="news", seed=0, chunks_per_doc=(1, 4), separated=False):
@@ -97,6 +97,21 @@ def test_noise_concepts_probe_worse_than_informative_embeddings():
     assert e["kmeans"]["ami"] > 0.3 and abs(e["top_concept"]["ami"]) < 0.1  # k ~ 50 groups: AMI stays below 1
     overall = result["overall"]
     assert overall["all_sources_at_least_baseline"] is False and overall["all_sources_at_least_baseline_ami"] is False
+
+
+def test_probe_reads_a_label_concept_among_rare_ones():
+    """A share vector: the label's concept (0.2) beside 4 of 400 rare concepts (0.2 each). The probe (unit rows,
+    C chosen by inner cross-validation) reads the label perfectly, whatever the rows' scale; a fixed C=1 on
+    standardized columns read 0.79 here, as each rare concept standardizes to a huge value."""
+    rng = np.random.default_rng(0)
+    n, n_labels, rare = 120, 4, 400
+    truth = np.array([f"label-{i % n_labels}" for i in range(n)])
+    shares = np.zeros((n, n_labels + rare), dtype=np.float32)
+    shares[np.arange(n), np.arange(n) % n_labels] = 0.2
+    for i in range(n):
+        shares[i, n_labels + rng.choice(rare, 4, replace=False)] = 0.2
+    probe = _probes(truth, {"concept": shares, "raw": 100 * shares}, folds=5, seed=0)
+    assert probe["concept_accuracy"] == probe["raw_accuracy"] == 1.0
 
 
 def test_tag_shares_probe_beside_the_concepts():
