@@ -198,6 +198,9 @@ class LibraryConfig(Section):
     # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
     tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
+    # Offline names prefer a top tag that is a Library of Congress subject heading ("army" over "austrian infantry"
+    # for a cluster of armies): "lcsh" needs them installed once (bash scripts/get_lcsh.sh, 6 MB); "none": no bonus.
+    name_headings: Literal["none", "lcsh"] = "none"
     # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
     dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
     dedup_m: int = Field(default=20, ge=1)

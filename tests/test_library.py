@@ -106,7 +106,7 @@ def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
 
 
 def test_small_pieces():
-    from atlas.stages.library import singular_name
+    from atlas.llm.offline import singular_name
 
     assert [singular_name(n) for n in ("huguenots", "prime numbers", "physics", "matrices", "gauss", "x")] == [
         "huguenot", "prime number", "physics", "matrix", "gauss", "x"]
@@ -151,6 +151,10 @@ def test_offline_names_are_representative_distinctive_and_valid():
     assert offline_name(["shared", "central", "edge", "off"], counts, vectors, other) == "central"
     assert offline_name(["nan", "central", "edge", "off"], counts[[1, 1, 2, 3]], vectors[[1, 1, 2, 3]],
                         other) == "central"  # an invalid tag is never the name, however central
+    # a subject heading is preferred when it scores within HEADING_BONUS of the best (1.43 against 1.51), not further
+    tags = ["shared", "central", "edge", "off"]
+    assert offline_name(tags, counts, vectors, other, np.array([True, False, False, False])) == "shared"
+    assert offline_name(tags, counts, vectors, other, np.array([False, False, True, False])) == "central"
     texts = ["Ships sail. The Apollo program landed astronauts on the Moon in 1969. It ended.",
              "Mail moon@nasa.gov about the Apollo program and the Moon rocks."]
     best = example_sentence(texts, ["apollo program", "moon"])
@@ -167,3 +171,29 @@ def test_offline_names_are_representative_distinctive_and_valid():
         "Every value has an identity and a type.")  # a line of code is no example
     description = offline_description("apollo program", ["apollo program", "moon landing", "nasa"], "The Apollo…")
     assert description == 'Apollo program: moon landing, nasa. As in "The Apollo…".'
+
+
+def test_lcsh_headings_install_and_load(tmp_path, monkeypatch):
+    """The plain headings of the wheel's CSV are installed (subdivided, inverted and qualified ones left out), and
+    loading them before they are installed says how to install them."""
+    import zipfile
+
+    from atlas.models import headings
+
+    monkeypatch.setenv("ATLAS_CACHE", str(tmp_path / "cache"))
+    assert headings.load_headings("none") == []
+    with pytest.raises(FileNotFoundError, match="bash scripts/get_lcsh.sh"):
+        headings.load_headings("lcsh")
+    with pytest.raises(ValueError, match="name_headings"):
+        headings.load_headings("mesh")
+    rows = ["id,scheme,subject", "sh1,LCSH,Armies", "sh2,LCSH,Art--History", 'sh3,LCSH,"Art, Modern"',
+            "sh4,LCSH,Mercury (Planet)", "sh5,LCSH,Prime  ministers", "sh6,LCSH,Armies"]
+    wheel = tmp_path / "invenio_subjects_lcsh-1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(headings.LCSH_CSV, "\n".join(rows) + "\n")
+    assert headings.install_lcsh(wheel) == headings.lcsh_file()
+    assert headings.load_headings("lcsh") == ["armies", "prime ministers"]
+    with zipfile.ZipFile(tmp_path / "other.whl", "w") as zf:
+        zf.writestr("other/file.csv", "")
+    with pytest.raises(RuntimeError, match="no invenio_subjects_lcsh"):
+        headings.install_lcsh(tmp_path / "other.whl")

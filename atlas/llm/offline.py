@@ -135,6 +135,16 @@ def singular(word: str) -> str:
     return nouns[0] if nouns else word
 
 
+def singular_name(name: str) -> str:
+    """The name with its last word in the singular: from the English lexicon, else by its plural "s" ("huguenots",
+    a word the lexicon does not know), so that a name and its plural compare as one."""
+    *head, last = name.split() or [""]
+    one = singular(last)
+    if not in_lexicon(last) and len(last) > 3 and last.endswith("s") and not last.endswith(("ss", "us", "is")):
+        one = last[:-1]
+    return " ".join([*head, one])
+
+
 def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> None:
     """1-3 word noun phrases inside each run: no phrase ends on an adjective or repeats a word, and its
     head (last word) is put in the singular, so "prime numbers" and "prime number" are one tag."""

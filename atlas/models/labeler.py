@@ -5,8 +5,9 @@ paper's label prompt shows both), and answers ``{"name", "description"}`` under 
 (``prompts/label_cluster.yaml``).
 
 Offline, the name is the cluster's most representative *and* distinctive tag: close to the centroid of the
-cluster's frequent tags, far from the nearest other cluster, and used often (``name_scores``); tags that
-cannot be names (a stopword, a number, a repeated word) are never chosen. The description says what the
+cluster's frequent tags, far from the nearest other cluster, and used often (``name_scores``), with a bonus
+for a tag that is a Library of Congress subject heading (``library.name_headings``); tags that cannot be
+names (a stopword, a number, a repeated word) are never chosen. The description says what the
 cluster's chunks share, in their own words: the other evidence tags and a sentence of a representative chunk.
 ``make_unique`` keeps names distinct.
 """
@@ -32,6 +33,9 @@ SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
 # e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code (backticks,
 # snake_case names, brackets, arrows, comparisons, docstring quotes) and markup
 NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w|\w>|>\w|\w_\w|[\[\]{}]|->|==|'''|\"\"\"")
+# What a subject heading among a cluster's top tags adds to its name score: about the margin by which a specific
+# member beats the general term a reader would use (on the dev corpus "austrian infantry" 1.005, "army" 0.960).
+HEADING_BONUS = 0.1
 # Words that never make a name on their own (the tagger's stopwords cover the rest).
 NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
 
@@ -53,8 +57,13 @@ def name_scores(vectors: np.ndarray, counts: np.ndarray, other_centroids: np.nda
     return representative + (representative - nearest_other) + 0.05 * np.log1p(counts)
 
 
-def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other_centroids: np.ndarray) -> str:
+def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other_centroids: np.ndarray,
+                 headings: np.ndarray | None = None) -> str:
+    """The best-scoring valid tag (``name_scores``); a tag that is a subject heading (``headings``: one bool per
+    tag, ``atlas.models.headings``) gets ``HEADING_BONUS``."""
     scores = name_scores(vectors, counts.astype(float), other_centroids)
+    if headings is not None:
+        scores = scores + HEADING_BONUS * headings
     order = np.argsort(-scores, kind="stable")
     return next((tags[i] for i in order if valid_name(tags[i])), tags[int(order[0])])
 

@@ -5,9 +5,9 @@ with their counts, and its ``EXAMPLES`` most representative chunks (those carryi
 tags). With an LLM engine it answers ``{"name", "description"}`` under a JSON schema
 (``prompts/label_cluster.yaml``); an answer that fails is replaced by the offline label and
 counted. Offline (``atlas.models.labeler``), the name is the cluster's most representative and
-distinctive tag, and the description lists its other evidence tags with a sentence of its most
-representative chunk. No two concepts share a name: a repeated name gets the cluster's next most
-representative tag.
+distinctive tag (preferring a Library of Congress subject heading with ``library.name_headings: lcsh``),
+and the description lists its other evidence tags with a sentence of its most representative chunk. No
+two concepts share a name: a repeated name gets the cluster's next most representative tag.
 
 Memory does not grow with the corpus: the tag vectors stay memory-mapped (only the kept clusters' top tags are
 read), DuckDB chooses the example chunks from the top tags' (tag, chunk) pairs a bounded pass at a time
@@ -30,6 +30,8 @@ from atlas.io.chunks import read_chunks
 from atlas.io.outofcore import PAIRS_PER_PASS, budget_slices, duckdb_session, scratch, sql_list
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import make_engine, setup_engine
+from atlas.llm.offline import singular_name
+from atlas.models.headings import lcsh_file, load_headings
 from atlas.models.labeler import (
     example_sentence,
     label_prompt,
@@ -61,12 +63,16 @@ class LabelStage(Stage):
 
     def identity(self) -> dict:
         identity = {"version": LABEL_VERSION, "label_tags": self.config.library.label_tags}
+        if self.config.library.name_headings != "none":  # absent when off: runs made before it keep their identity
+            identity["name_headings"] = str(lcsh_file().name)
         if self.config.llm.engine == "offline":
             return identity
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
 
     def setup(self) -> None:
         self.engine = setup_engine(self.config.llm)  # None offline: the labels come from the evidence tags
+        # compared as the tagger writes tags: the last word in the singular ("armies" -> "army")
+        self.headings = {singular_name(h) for h in load_headings(self.config.library.name_headings)}
 
     def teardown(self) -> None:
         if self.engine is not None:
@@ -95,7 +101,8 @@ class LabelStage(Stage):
         for cluster in kept:
             top, names = tops[cluster]
             others = centroids[np.arange(len(centroids)) != cluster]
-            name = offline_name(names, counts[top], float_rows(vectors, top), others)
+            is_heading = np.array([singular_name(t) in self.headings for t in names]) if self.headings else None
+            name = offline_name(names, counts[top], float_rows(vectors, top), others, is_heading)
             evidence_tags = names[:EVIDENCE_KEPT]
             texts = examples.get(cluster, [])
             description = offline_description(name, evidence_tags, example_sentence(texts, evidence_tags))

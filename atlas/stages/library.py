@@ -44,7 +44,7 @@ from atlas.io import layout
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
 from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, scratch, sql_list
 from atlas.llm.engine import make_engine, setup_engine
-from atlas.llm.offline import in_lexicon, singular
+from atlas.llm.offline import singular_name
 from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
@@ -53,16 +53,6 @@ LIBRARY_VERSION = 3
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
-
-
-def singular_name(name: str) -> str:
-    """The name with its last word in the singular: from the English lexicon, else by its plural "s" ("huguenots",
-    a word the lexicon does not know), so that a name and its plural compare as one."""
-    *head, last = name.split() or [""]
-    one = singular(last)
-    if not in_lexicon(last) and len(last) > 3 and last.endswith("s") and not last.endswith(("ss", "us", "is")):
-        one = last[:-1]
-    return " ".join([*head, one])
 
 
 def word_analyzer():
