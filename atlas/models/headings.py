@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 from atlas.core.files import atomic_write_bytes
-from atlas.models.embedder import _cache_root
+from atlas.models.embedder import cache_root
 
 LCSH_PACKAGE = "invenio-subjects-lcsh==2026.6.4.3"
 LCSH_CSV = "invenio_subjects_lcsh/vocabularies/subjects_lcsh.csv"
@@ -30,7 +30,7 @@ HEADING_SETS = ("none", "lcsh")  # the values of library.name_headings
 
 
 def lcsh_file() -> Path:
-    return _cache_root() / "vocabularies" / f"lcsh-{LCSH_PACKAGE.split('==')[1]}.txt"
+    return cache_root() / "vocabularies" / f"lcsh-{LCSH_PACKAGE.split('==')[1]}.txt"
 
 
 def plain_headings(rows) -> list[str]:
