@@ -64,7 +64,7 @@ class LabelStage(Stage):
     def identity(self) -> dict:
         identity = {"version": LABEL_VERSION, "label_tags": self.config.library.label_tags}
         if self.config.library.name_headings != "none":  # absent when off: runs made before it keep their identity
-            identity["name_headings"] = str(lcsh_file().name)
+            identity["name_headings"] = lcsh_file().name
         if self.config.llm.engine == "offline":
             return identity
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}

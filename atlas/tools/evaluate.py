@@ -550,28 +550,22 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     offset = library_config.get("domain_offsets", {}).get("content", 0)
     size = library_config.get("domain_sizes", {}).get("content", len(rows) - offset)
 
+    def indicator(pairs, width: int):
+        """[n_chunks, width] sparse: 1 at each (chunk row, column) of ``pairs``."""
+        r, c = zip(*pairs) if pairs else ((), ())
+        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), width))
+
     def concept_counts():
-        """[n_chunks, n_content] sparse: 1 where the chunk inherits the content concept."""
-        r, c = [], []
-        for i, chunk_id in enumerate(chunks["chunk_id"]):
-            for concept in assigned.get(chunk_id, ()):
-                if offset <= concept < offset + size:
-                    r.append(i)
-                    c.append(concept - offset)
-        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), size))
+        """[n_chunks, n_content]: 1 where the chunk inherits the content concept."""
+        return indicator([(i, concept - offset) for i, chunk_id in enumerate(chunks["chunk_id"])
+                          for concept in assigned.get(chunk_id, ()) if offset <= concept < offset + size], size)
 
     def tag_counts():
-        """[n_chunks, n_tags] sparse: 1 where the chunk has the vocabulary's tag."""
+        """[n_chunks, n_tags]: 1 where the chunk has the vocabulary's tag."""
         row = {chunk_id: i for i, chunk_id in enumerate(chunks["chunk_id"])}
-        r, c = [], []
         vocab = load_vocab(run, ["chunk_ids"])[0]
-        for tag, chunk_ids in enumerate(vocab.column("chunk_ids").to_pylist()):
-            for chunk_id in chunk_ids:
-                if chunk_id in row:
-                    r.append(row[chunk_id])
-                    c.append(tag)
-        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)),
-                                 shape=(len(chunks["chunk_id"]), vocab.num_rows))
+        return indicator([(row[chunk_id], tag) for tag, chunk_ids in enumerate(vocab.column("chunk_ids").to_pylist())
+                          for chunk_id in chunk_ids if chunk_id in row], vocab.num_rows)
 
     where = {}
 
