@@ -61,8 +61,9 @@ def test_offline_engine_tags_every_chunk_deterministically(tmp_path, docs, capsy
     assert stats["chunks_in"] == n_chunks == stats["chunks_tagged"] + stats["chunks_quarantined"]
     rows = table.to_pylist()
     code_fields = {r["field"] for r in rows if "python-stdlib" in r["chunk_id"]}
-    # the topic field always; a fixed-list (style) field only where an entry clearly applies
-    assert "algorithm" in code_fields <= {"language", "design_pattern", "algorithm", "role", "documentation"}
+    # the topic field always; a fixed-list (style) field only where an entry clearly applies; the modules it imports
+    fields = {"language", "design_pattern", "algorithm", "libraries", "role", "documentation"}
+    assert {"algorithm", "libraries"} <= code_fields <= fields
     assert {r["tag_norm"] for r in rows if r["field"] == "language" and "python-stdlib" in r["chunk_id"]} <= {"python"}
     assert 4 <= len(rows) / n_tagged <= 16  # paper: 10-15 tags per chunk; offline, style fields are often empty
 

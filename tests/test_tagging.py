@@ -7,7 +7,15 @@ import pytest
 
 from atlas.config import TagConfig
 from atlas.llm.answers import SchemaError, load_schemas, normalize_tag, parse_answer
-from atlas.llm.offline import candidate_phrases, clear_candidates, in_lexicon, mmr, proxy_score
+from atlas.llm.offline import (
+    candidate_phrases,
+    clear_candidates,
+    formula_objects,
+    imported_modules,
+    in_lexicon,
+    mmr,
+    proxy_score,
+)
 from atlas.llm.prompts import PromptError, load_prompt
 from atlas.stages.tag import PROMPT_PLACEHOLDERS, _prompt_path
 
@@ -33,7 +41,7 @@ def test_every_shipped_schema_and_the_prompt_are_valid(schemas):
     assert {"web", "academic", "math", "code", "qa", "generic"} <= set(schemas)
     for schema in schemas.values():
         assert 4 <= len(schema.fields) <= 6  # paper 4.2.1: 4-6 fields per domain
-    assert schemas["code"].fields == ["language", "design_pattern", "algorithm", "role", "documentation"]
+    assert schemas["code"].fields == ["language", "design_pattern", "algorithm", "libraries", "role", "documentation"]
     from atlas.config import load_config
 
     load_prompt(_prompt_path(load_config(None)), PROMPT_PLACEHOLDERS)
@@ -119,10 +127,21 @@ def test_candidate_phrases_and_mmr():
                              "[asy] pair pc = dir(30); label(\"$P$\", pc); [/asy] The circle has radius 3.")
     assert {"triangle", "bisector", "circle", "radius"} <= set(math)
     assert not {p for p in math if {"abc", "bc", "a+b", "pc", "dir", "pair", "label"} & set(p.split())}
+    # ... but its notation names objects: a binomial coefficient, a congruence, a matrix, a factorial
+    objects = formula_objects("Find $\\dbinom{8}{3} + 5!$ if $x \\equiv 2 \\pmod{7}$, "
+                              "$\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}$ and $\\overline{AB} \\cdot 2$. Wow!")
+    assert objects == {"binomial coefficient": 1, "factorial": 1, "congruence": 2, "matrix": 1}
+    assert "congruence" in candidate_phrases("Solve the congruence $30x \\equiv 42 \\pmod{47}$.")
+    assert "square root" in candidate_phrases("Simplify $\\sqrt{50}$.")  # a formula's object, with no prose phrase
+    assert "square root" not in candidate_phrases('x = "\\sqrt{2}"  # a string', code=True)  # code has no formulas
     money = candidate_phrases("Acme raised $5 million for the new stadium and $10 more for C++ and C# courses, "
                               "although the late 19th century stadium was sold.")
     assert {"stadium", "c++", "c# course", "century"} <= set(money)
     assert not {p for p in money if {"th", "although", "late"} & set(p.split())}
+    assert imported_modules("from __future__ import annotations\nimport numpy as np\nimport os, sys.path\n"
+                            "from bs4 import BeautifulSoup\nfrom .utils import x\n    import requests\n"
+                            "text = 'import this' # not an import\n>>> import doctest\n") == [
+        "numpy", "os", "sys", "bs4", "requests"]
     assert "galissonnière" in candidate_phrases("The cruiser La Galissonnière sailed.")  # one word, any alphabet
     assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
     assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
@@ -157,7 +176,8 @@ def test_request_cache_misses_when_anything_the_engine_sees_changes(tmp_path):
 
 @pytest.mark.slow
 def test_offline_engine_answers_a_chunk_without_any_word(schemas):
-    """No candidate phrase at all: an answer that fails validation (the chunk is quarantined), no crash."""
+    """No candidate phrase at all: an answer that fails validation (the chunk is quarantined), no crash; a chunk of
+    code in the same batch gets the modules it imports."""
     from atlas.config import LLMConfig
     from atlas.llm.engine import LLMRequest
     from atlas.llm.offline import OfflineEngine
@@ -169,6 +189,12 @@ def test_offline_engine_answers_a_chunk_without_any_word(schemas):
                          context={"task": "tag", "text": "$$ 2 + 2 = 4 $$", "domain": "math",
                                   "candidates": {k: candidates[k] for k in ("math_problem_type", "math_technique",
                                                                              "math_notation", "math_difficulty")}})
-    [result] = engine.generate([request])
+    code = LLMRequest(key="y#1", system="", user="", schema=schemas["code"].schema,
+                      context={"task": "tag", "domain": "code", "candidates": {k: candidates[k] for k in candidates},
+                               "text": "import numpy as np\nfrom sklearn.cluster import KMeans\n\n\n"
+                                       "def cluster_points(points):\n    return KMeans(3).fit(np.asarray(points))\n"})
+    result, coded = engine.generate([request, code])
     parsed = parse_answer(result.text, result.finish_reason, schemas["math"])
     assert json.loads(result.text)["object"] == [] and parsed.problem == "schema_violation"
+    answer = parse_answer(coded.text, coded.finish_reason, schemas["code"]).answer
+    assert answer["libraries"] == ["numpy", "sklearn"] and "cluster point" in answer["algorithm"]

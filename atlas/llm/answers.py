@@ -78,9 +78,9 @@ def load_schemas(config: TagConfig) -> tuple[dict[str, TagSchema], dict[str, lis
     for schema in schemas.values():
         for name, spec in schema.schema["properties"].items():
             offline = spec.get("x-atlas-offline")
-            if not offline or offline.get("method") not in ("keyphrases", "candidates"):
+            if not offline or offline.get("method") not in OFFLINE_METHODS:
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' needs "
-                                  f'"x-atlas-offline": {{"method": "keyphrases" or "candidates", "k": N}}')
+                                  f'"x-atlas-offline": {{"method": "keyphrases", "candidates" or "imports", "k": N}}')
             if spec.get("x-atlas-role", role_of(spec)) not in ROLES:
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' has \"x-atlas-role\" "
                                   f"{spec['x-atlas-role']!r}; expected one of {', '.join(ROLES)}")
@@ -97,6 +97,9 @@ def load_schemas(config: TagConfig) -> tuple[dict[str, TagSchema], dict[str, lis
 # What a field says about a chunk. "topic": what it is about (the content concept library is built from these
 # fields by default, see vocab.roles). "style": how it is written (purpose, tone, difficulty, notation...).
 ROLES = ("topic", "style")
+# How the offline engine answers a field (atlas/llm/offline.py): "keyphrases" from the text, an entry of a
+# "candidates" list when one clearly fits, or the modules a chunk of code "imports".
+OFFLINE_METHODS = ("keyphrases", "candidates", "imports")
 
 
 def role_of(spec: dict) -> str:

@@ -12,7 +12,8 @@ its output goes through the same validation and accounting. It reads ``request.c
   most central phrases, "minor" the next ones). Fields marked ``{"method": "candidates", "list":
   NAME}`` get an entry of the finite list ``schemas/candidates/NAME.json`` only when it clearly
   stands out for the chunk (``clear_candidates``), else nothing: a fixed-list answer that is merely
-  the least bad entry ("field: zoology" for Python decorators) is worse than none.
+  the least bad entry ("field: zoology" for Python decorators) is worse than none. Fields marked
+  ``{"method": "imports"}`` get the modules a chunk of code imports (``imported_modules``).
 - ``task="judge"``: relevance of each concept to a chunk from 1 to 5, from their cosine
   similarity. This is a proxy for the LLM judge and is reported as one.
 
@@ -63,6 +64,10 @@ CODE_STOPWORDS = frozenset(
     private static void null this return true false string int32 int64 elif np os sys re typing optional any
     doctest testmod""".split()
 )
+# The modules a chunk of code imports: "import numpy as np", "from bs4 import BeautifulSoup", "import os, sys".
+IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([A-Za-z_][\w.]*)[ \t]+import\b|import[ \t]+([A-Za-z_][\w.]*(?:[ \t]*,[ \t]*"
+                    r"[A-Za-z_][\w.]*)*))", re.MULTILINE)
+NOT_A_LIBRARY = frozenset({"__future__"})  # a switch of the language, not a library
 # Context cues of a verb (see verb_in_context): what comes before a verb, and what follows one.
 VERB_BEFORE = frozenset("""i you we they he she it who will would can could should may might must shall won't wouldn't
     can't cannot couldn't shouldn't don't doesn't didn't do does did to not""".split())
@@ -91,6 +96,36 @@ NOT_PROSE = re.compile(r"https?://\S+|www\.\S+|\S+@\S+|<[^<>\s]+>|\\[A-Za-z]+")
 # the prices in "$5 million for the stadium and $10 more" stay prose.
 MATH = re.compile(r"\$\$[\s\S]*?\$\$|\\\[[\s\S]*?\\\]|\\\([\s\S]*?\\\)|\[asy\][\s\S]*?\[/asy\]"
                   r"|\\begin\{([a-z]+\*?)\}[\s\S]*?\\end\{\1\}|\$(?=[^\s$])(?:\\.|[^$\\])*?(?<=[^\s$\\])\$(?!\d)")
+# What a formula's notation names. An LLM reads "$\binom{8}{3}$" as a binomial coefficient; the offline tagger cuts
+# formulas out of the prose (MATH) and takes these objects from their LaTeX commands and environments instead. Only
+# commands with one mathematical reading are mapped: not "\overline" (a segment, a repeating decimal, a conjugate) or
+# "\circ" (degrees, composition), nor "\cdot" and "\times", which every subject writes.
+FORMULA_OBJECTS = {
+    **dict.fromkeys(("frac", "dfrac", "tfrac"), "fraction"),
+    "sqrt": "square root",
+    **dict.fromkeys(("sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan"),
+                    "trigonometric function"),
+    **dict.fromkeys(("log", "ln"), "logarithm"),
+    **dict.fromkeys(("binom", "dbinom", "tbinom", "choose"), "binomial coefficient"),
+    **dict.fromkeys(("pmod", "bmod", "mod", "equiv"), "congruence"),
+    "gcd": "greatest common divisor",
+    **dict.fromkeys(("lfloor", "rfloor", "lceil", "rceil"), "floor function"),
+    **dict.fromkeys(("angle", "measuredangle"), "angle"),
+    "triangle": "triangle",
+    "perp": "perpendicular line",
+    "parallel": "parallel line",
+    **dict.fromkeys(("vec", "overrightarrow", "mathbf"), "vector"),
+    **dict.fromkeys(("pmatrix", "bmatrix", "vmatrix", "matrix", "det"), "matrix"),
+    "sum": "summation",
+    "int": "integral",
+    "lim": "limit",
+    "infty": "infinity",
+    **dict.fromkeys(("le", "leq", "ge", "geq", "lt", "gt"), "inequality"),
+    **dict.fromkeys(("cup", "cap", "subset", "subseteq", "emptyset", "varnothing"), "set"),
+    "pi": "pi",
+}
+LATEX_COMMAND = re.compile(r"\\(?:begin\{([a-z]+)\*?\}|([A-Za-z]+))")
+FACTORIAL = re.compile(r"(?<=[\w)}])!")
 COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
 # Code inside the prose of code: a docstring's doctest lines (">>> from string import ascii_letters") and doctest
 # directives ("# doctest: +ELLIPSIS").
@@ -143,6 +178,25 @@ def singular_name(name: str) -> str:
     if not in_lexicon(last) and len(last) > 3 and last.endswith("s") and not last.endswith(("ss", "us", "is")):
         one = last[:-1]
     return " ".join([*head, one])
+
+
+def imported_modules(text: str) -> list[str]:
+    """The top-level modules a chunk of code imports, in order of first import ("numpy", "bs4"), lowercase."""
+    modules = []
+    for source, names in IMPORT.findall(DOCTEST.sub(" ", text)):
+        for name in [source] if source else names.split(","):
+            top = name.strip().split(".")[0].lower()
+            if top and top not in NOT_A_LIBRARY and top not in modules:
+                modules.append(top)
+    return modules
+
+
+def formula_objects(text: str) -> Counter:
+    """The mathematical objects a text's LaTeX names (FORMULA_OBJECTS, and "factorial" for "$5!$"), with counts."""
+    found = Counter(FORMULA_OBJECTS.get(env or command) for env, command in LATEX_COMMAND.findall(text))
+    found["factorial"] = sum(len(FACTORIAL.findall(m.group())) for m in MATH.finditer(text))
+    del found[None]
+    return +found
 
 
 def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> None:
@@ -215,6 +269,10 @@ def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES
                        for name in IDENTIFIER.findall(DOCTEST.sub(" ", text))]
         runs += [run for parts in identifiers for run in _runs(parts, stop)]
     _phrases_of_runs(runs, counts, first)
+    if not code:
+        for phrase, n in formula_objects(text).items():
+            counts[phrase] += n
+            first.setdefault(phrase, len(runs))  # after the prose's phrases when counts tie
     ranked = sorted(counts, key=lambda p: (-counts[p] * (1 + 0.5 * p.count(" ")), first[p], p))
     return ranked[:limit]
 
@@ -257,7 +315,7 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 9}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 10}
 
     def setup(self) -> None:
         self.embedder.setup()
@@ -306,7 +364,9 @@ class OfflineEngine(LLMEngine):
             taken += n
         for field, spec in properties.items():
             offline = spec["x-atlas-offline"]
-            if offline["method"] == "candidates":
+            if offline["method"] == "imports":
+                answer[field] = imported_modules(request.context["text"])[: offline["k"]]
+            elif offline["method"] == "candidates":
                 values = request.context["candidates"][offline["list"]]
                 answer[field] = clear_candidates(values, np.array([vectors[v] for v in values]) @ doc, offline["k"])
         return {field: answer[field] for field in properties}
