@@ -57,6 +57,9 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     coherence = {r["cluster_id"]: r for r in pq.read_table(run.part_path("coherence", 0)).to_pylist()}
     sweep = json.loads((run.output_dir("clusters") / "_sweep.json").read_text())
     assert [row["k"] for row in sweep["sweep"]] == [8, 16, 32] and sweep["chosen_k"] in (8, 16, 32)
+    for row in sweep["sweep"]:  # each k scored by library.sweep_seeds k-means runs; their mean decides
+        seeds = row["silhouette_seeds"]
+        assert len(seeds) == 3 and row["silhouette"] == pytest.approx(np.mean(seeds))
     assert concepts and [c["concept_id"] for c in concepts] == list(range(len(concepts)))
     aux = [c for c in concepts if c["domain"] != "content"]  # the auxiliary labels follow the content concepts
     assert [c["domain"] for c in aux] == ["tone"] * 80 + ["demographic"] * 38 + ["alignment"] * 8
