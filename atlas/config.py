@@ -184,7 +184,8 @@ class LibraryConfig(Section):
     # is kept; 2,000 was 25% below.
     k_tolerance: float = Field(default=0.10, ge=0, lt=1)
     # ... each k scored by this many k-means runs (seeds seed, seed+1, ...), averaged: one run's silhouette at a k
-    # moved by 6% with the seed on the dev corpus. The sweep takes this many times as long (dev corpus: 95 s, not 35).
+    # moved by 6% with the seed on the dev corpus. The sweep takes this many times as long (dev corpus: 95 s, not 35);
+    # a fixed library.k is scored once.
     sweep_seeds: int = Field(default=3, ge=1)
     # What k-means clusters: "occurrences" weights each tag by how often it was produced, so centroids go where the
     # corpus' tags are ("equation" x55 and "polynomial" x30 get their own concepts rather than sharing one with 37

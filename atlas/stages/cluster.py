@@ -89,11 +89,13 @@ class ClusterStage(Stage):
         grid = [c.k] if c.k else k_grid(len(x), c.ks)
         if not grid:
             raise ValueError(f"{len(x)} tags are too few to cluster (need at least 3); tag more chunks")
+        # several k-means runs per k only when their mean chooses k: a fixed library.k is scored once, for the report
+        seeds = range(c.seed, c.seed + (1 if c.k else c.sweep_seeds))
         sweep = []
         for k in grid:
             start = time.perf_counter()
             runs = []  # one k-means run's scores per seed: their mean decides (library.sweep_seeds)
-            for seed in range(c.seed, c.seed + c.sweep_seeds):
+            for seed in seeds:
                 centroids = kmeans(x, k, seed=seed)
                 labels, similarity = assign(x, centroids)
                 runs.append(cluster_quality(x, labels, seed=seed) | {"cohesion": float(similarity.mean())})
