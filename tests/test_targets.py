@@ -81,3 +81,38 @@ def test_targets_rerun_in_small_pieces_writes_the_same_bytes(trained, tmp_path, 
     assert stats["reservoir"] > 3 * 40  # several spill files
     assert stats["chunks_embedded"] == 0 and stats["reservoir"] == stats["train"] + stats["heldout"]
     assert not (root / "_tmp").exists()
+
+
+@pytest.mark.slow  # the trained run loads the embedding model
+def test_only_the_librarys_fields_inherit_concepts(run_copy):
+    """A style tag whose words are a mapped topic tag ("tone: recursion" beside "algorithm: recursion") gives its chunk
+    no content concept: neither in the targets the annotator learns from nor in ``chunk_concepts``."""
+    import pyarrow.parquet as pq
+
+    import atlas.stages.targets as targets
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
+    from atlas.io.library import chunk_concepts, load_library
+
+    run = RunDir(run_copy)
+    fields = load_library(run)[1]["fields"]
+    used = {f for part in run.parts("tags") for f in pq.read_table(part, columns=["field"])["field"].to_pylist()}
+    assert fields and set(fields) < used  # the topic fields, not the style ones
+    mapping = pq.read_table(run.output_dir("library") / "tag_to_concept.parquet").to_pylist()
+    mapped = next(m for m in mapping if m["concept_id"] is not None)
+    before = chunk_concepts(run)
+    tag_part = run.parts("tags")[0]
+    tags = pq.read_table(tag_part)
+    untouched = next(c for c in tags.column("chunk_id").to_pylist() if mapped["concept_id"] not in before.get(c, []))
+    style = next(f for f in sorted(used) if f not in fields)
+    extra = pa.table({"chunk_id": [untouched], "field": [style], "tag": [mapped["tag_norm"]],
+                      "tag_norm": [mapped["tag_norm"]], "rank": pa.array([0], pa.int16())}, schema=tags.schema)
+    pq.write_table(pa.concat_tables([tags, extra]), tag_part)
+    assert chunk_concepts(run) == before
+
+    manifest = json.loads((run_copy / "manifest.json").read_text())
+    stage = targets.TargetsStage(config_from_dict(manifest["config"]))
+    stage.setup()
+    stage.run_shard(run, 0)
+    rows = pq.read_table(run.part_path("targets", 0), columns=["chunk_id", "content_global_ids"]).to_pylist()
+    assert rows and all(sorted(r["content_global_ids"]) == sorted(before.get(r["chunk_id"], [])) for r in rows)

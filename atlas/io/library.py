@@ -64,12 +64,22 @@ def check_tag_to_concept(run: RunDir, n_content: int) -> None:
                                 "--stages library)")
 
 
+def inheriting_fields(library_config: dict) -> list[str] | None:
+    """The tag fields through which a chunk inherits content concepts: those the library was built from (the topic
+    fields; a style tag such as ``tone: academic`` or ``language: python`` inherits nothing, even where a topic field
+    has the same words). None (every field) for a library written before ``fields`` was recorded."""
+    return library_config.get("fields")
+
+
 def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
     """Concept ids of every tagged chunk, most frequent (by its tags) first."""
     mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
     concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
+    fields = inheriting_fields(load_library(run)[1])
     votes: dict[str, Counter] = defaultdict(Counter)
-    for row in read_tags(run, ["chunk_id", "tag_norm"]).to_pylist():
+    for row in read_tags(run, ["chunk_id", "field", "tag_norm"]).to_pylist():
+        if fields is not None and row["field"] not in fields:
+            continue
         concept = concept_of_tag.get(row["tag_norm"])
         if concept is not None:
             votes[row["chunk_id"]][concept] += 1

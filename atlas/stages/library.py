@@ -18,7 +18,9 @@ position in the list. Their ``chunk_count`` is null until the corpus is annotate
                                     merged_from, lifted_words
     library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped, or the tag is
                                     at its edge, below library.tag_min_similarity to its centroid)
-    library/config.json             k, thresholds, models, dedup passes, domain offsets, stage hashes
+    library/config.json             k, the tag fields the concepts come from (``fields``: a chunk inherits
+                                    concepts through the tags of these fields only), thresholds, models,
+                                    dedup passes, domain offsets, stage hashes
     report/concept_sizes.png, report/concept_map.png
 
 Lifted words (paper 4.4, appendix D.1): lift(w, c) = P(w | c) / P(w) over the words of the chunks
@@ -49,7 +51,7 @@ from atlas.models.auxiliary import load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
-LIBRARY_VERSION = 3
+LIBRARY_VERSION = 4  # 4: config.json names the fields the concepts come from
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
@@ -138,7 +140,7 @@ class LibraryStage(Stage):
         passes += self._merge_names(concepts, run, stats)
 
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
-        chunk_count, lifted, n_chunks = self._coverage(run, concepts)
+        chunk_count, lifted, n_chunks, fields = self._coverage(run, concepts)
         for i, concept in enumerate(concepts):
             concept["chunk_count"], concept["lifted"] = chunk_count.get(i, 0), lifted.get(i, [])
         concepts.sort(key=lambda c: (-c["chunk_count"], c["name"]))  # dense ids, most used first
@@ -167,7 +169,7 @@ class LibraryStage(Stage):
         atomic_write_json(folder / "config.json", {
             "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": offsets,
             "domain_sizes": {d: sum(r["domain"] == d for r in rows) for d in offsets},
-            "k": sweep["chosen_k"], "library": self.config.library.model_dump(),
+            "k": sweep["chosen_k"], "fields": fields, "library": self.config.library.model_dump(),
             "embedding_model": self.config.vocab.embedding_model, "llm_engine": self.config.llm.engine,
             "dedup_passes": passes,
             "stage_hashes": {name: info.get("hash") for name, info in manifest.get("stages", {}).items()},
@@ -179,9 +181,10 @@ class LibraryStage(Stage):
         self._plot(run, rows[:n_content])
         return stats
 
-    def _coverage(self, run: RunDir, concepts: list[dict]) -> tuple[dict[int, int], dict[int, list[str]], int]:
-        """Per concept (its index in ``concepts``): how many chunks its tags came from, and its lifted words; and
-        how many chunks the vocabulary came from in all."""
+    def _coverage(self, run: RunDir, concepts: list[dict]) -> tuple[dict[int, int], dict[int, list[str]], int,
+                                                                    list[str]]:
+        """Per concept (its index in ``concepts``): how many chunks its tags came from, and its lifted words; how
+        many chunks the vocabulary came from in all; and the tag fields it was built from."""
         vocab = run.part_path(layout.TAG_VOCAB, 0)
         chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
         of_cluster = [(cluster, i) for i, c in enumerate(concepts) for cluster in c["merged_from"]]
@@ -200,6 +203,8 @@ class LibraryStage(Stage):
                             JOIN concept_of_cluster c USING (cluster_id) JOIN every_chunk e USING (chunk_id)
                             WHERE k.similarity >= {float(self.config.library.tag_min_similarity)!r}""")
             n_chunks, = con.execute("SELECT count(*) FROM every_chunk").fetchone()
+            fields = [f for (f,) in con.execute(f"SELECT DISTINCT unnest(fields) AS f FROM read_parquet("
+                                                f"{sql_list([vocab])}) ORDER BY f").fetchall()]
             chunk_count = dict(con.execute("SELECT concept, count(*) FROM covered GROUP BY concept").fetchall())
             con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, chunk_text FROM read_parquet({sql_list(chunks)})")
             found, = con.execute("SELECT count(*) FROM every_chunk JOIN chunks USING (chunk_id)").fetchone()
@@ -210,7 +215,7 @@ class LibraryStage(Stage):
             texts = record_batches(con.cursor(), "SELECT e.idx, k.chunk_text FROM every_chunk e JOIN chunks k "
                                                  "USING (chunk_id)", rows=8192)
             lifted = lifted_words(con, texts, self.config.library.lift_min_support, tmp)
-        return chunk_count, lifted, n_chunks
+        return chunk_count, lifted, n_chunks, fields
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
         vectors, _ = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings")

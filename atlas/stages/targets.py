@@ -1,7 +1,8 @@
 """Stage ``targets`` (global): the annotator's training data (paper 4.2.3).
 
 1. **Inherited targets.** A tagged chunk inherits the concepts of its tags, through tag -> cluster
-   -> concept (``library/tag_to_concept.parquet``). These are positives only: a concept a chunk
+   -> concept (``library/tag_to_concept.parquet``), for the tags of the fields the library was built
+   from (``fields`` in ``library/config.json``: the topic fields). These are positives only: a concept a chunk
    did not inherit is *unlabeled*, not negative (the annotator is trained as positive-unlabeled).
 2. **Reservoir, long-tail enriched.** Going through the concepts from rarest to most common, up to
    ``annotator.min_per_concept`` chunks of each are taken first (``picked = "long_tail"``); the rest
@@ -46,7 +47,7 @@ from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.library import check_tag_to_concept, load_library
+from atlas.io.library import check_tag_to_concept, inheriting_fields, load_library
 from atlas.io.outofcore import (
     PartWriter,
     RowFile,
@@ -68,7 +69,7 @@ from atlas.llm.prompts import load_prompt
 from atlas.models.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 
-TARGETS_VERSION = 1
+TARGETS_VERSION = 2  # 2: concepts are inherited through the library's fields only
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
 AUX_BLOCK = 32_768  # reservoir chunks embedded, labeled and written at a time (~50 MB of float32 embeddings)
 SPILL_ROWS = 8_192  # reservoir rows (with their texts: ~8 MB) taken from the join at a time
@@ -241,7 +242,8 @@ class TargetsStage(Stage):
         mapping = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
         tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
         with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
-            con.execute(f"CREATE VIEW tags AS SELECT chunk_id, tag_norm FROM read_parquet({sql_list(tags)})")
+            con.execute(f"CREATE VIEW tags AS SELECT chunk_id, field, tag_norm FROM read_parquet({sql_list(tags)})")
+            fields = inheriting_fields(library)  # the topic fields: a style tag inherits no content concept
             con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, doc_id, domain, chunk_text "
                         f"FROM read_parquet({sql_list(chunks)})")
             # the tagged chunks, numbered in chunk id order, and the content concepts their tags map to
@@ -249,7 +251,8 @@ class TargetsStage(Stage):
                         "FROM (SELECT DISTINCT chunk_id FROM tags)")
             con.execute(f"""CREATE TABLE content AS SELECT DISTINCT g.idx, m.concept_id AS concept
                             FROM tags t JOIN read_parquet({sql_list([mapping])}) m USING (tag_norm)
-                            JOIN tagged g USING (chunk_id) WHERE m.concept_id IS NOT NULL""")
+                            JOIN tagged g USING (chunk_id) WHERE m.concept_id IS NOT NULL
+                            {"" if fields is None else f"AND list_contains({sql_list(fields)}, t.field)"}""")
             n, = con.execute("SELECT count(*) FROM tagged").fetchone()
             with_concepts, = con.execute("SELECT count(DISTINCT idx) FROM content").fetchone()
             stats = Stats({"chunks_tagged": n, "chunks_with_concepts": with_concepts})
