@@ -111,6 +111,9 @@ def test_candidate_phrases_and_mmr():
                                 '    >>> caesar("abc")  # doctest: +NORMALIZE_WHITESPACE\n    """', code=True)
     assert {"letter", "caesar"} <= set(doctest) and not {"string import ascii", "ascii letter", "whitespace"} & set(
         doctest)  # a docstring's doctest lines are code, not prose
+    only_doctests = candidate_phrases("    >>> rec_ternary_search(0, len(test_list), test_list, 3)\n    -1\n",
+                                      code=True)
+    assert "ternary search" in only_doctests  # ... unless there is nothing else: the function they call
     # noun phrases within a clause: verbs, adverbs, numbers and punctuation end a phrase; heads are singular
     prose = candidate_phrases("Susan gives Robert four cats. The prime numbers reach zero, causing errors instead. "
                               "Mail kolstad@cae.wisc.edu or see http://example.com/x about \\frac{1}{2} fractions.")
@@ -122,6 +125,11 @@ def test_candidate_phrases_and_mmr():
                              "the strike will likely end. The end of the strike came.")
     assert {"oil company", "nigeria", "strike", "end"} <= set(news)
     assert not {p for p in news if {"say", "give", "think", "now"} & set(p.split())}
+    # "to" before a verb is no adverb to look past ("to grab"); weekdays date a story and a month alone is no topic
+    dated = candidate_phrases("On Tuesday the cable industry tried to grab VoIP's coattails. In October, the "
+                              "November Uprising began.")
+    assert {"cable industry", "voip coattails", "november uprising"} <= set(dated)
+    assert not {p for p in dated if {"grab", "tuesday"} & set(p.split())} and "october" not in dated
     # mathematics names points and variables, not topics; a price's "$" is no formula; a number ends a phrase
     math = candidate_phrases("In triangle $ABC$, the bisector meets $BC$ at $D$. Find $a+b+c$ if \\[x^2+y^2=1.\\] "
                              "[asy] pair pc = dir(30); label(\"$P$\", pc); [/asy] The circle has radius 3.")

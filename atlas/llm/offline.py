@@ -55,7 +55,11 @@ STOPWORDS = frozenset(
     """zero four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen
     nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred hundreds thousand thousands million millions
     billion billions trillion second third fourth fifth sixth seventh eighth ninth tenth half twice dozen""".split()
+) | frozenset(  # weekdays date a news story ("fcc tuesday", "percent monday"): they are not what it is about
+    "monday tuesday wednesday thursday friday saturday sunday".split()
 )
+# A month alone is a date, not a topic ("october"); in a name it stays ("november uprising").
+MONTHS = frozenset("january february march april june july august september october november december".split())
 CODE_STOPWORDS = frozenset(
     """def return self cls none true false import from class if else elif for while in is not and or pass break
     continue try except finally raise with as lambda yield assert del global nonlocal print len range int str float
@@ -206,7 +210,8 @@ def _phrases_of_runs(runs: list[list[str]], counts: Counter, first: dict) -> Non
         for n in (1, 2, 3):
             for i in range(len(run) - n + 1):
                 words = run[i : i + n]
-                if word_class(words[-1]) != "noun" or len(set(words)) < n or (n == 1 and len(words[0]) < 3):
+                if word_class(words[-1]) != "noun" or len(set(words)) < n or (
+                        n == 1 and (len(words[0]) < 3 or words[0] in MONTHS)):
                     continue
                 if any(singular(w) != w for w in words[:-1]):  # "numbers reach": a plural ends its noun phrase
                     continue
@@ -230,7 +235,7 @@ def verb_in_context(words: list[str], i: int) -> bool:
     if "VERB" not in lemmas(words[i]):
         return False
     j = i - 1
-    while j >= 0 and adverb_only(words[j]):
+    while j >= 0 and words[j] not in VERB_BEFORE and adverb_only(words[j]):  # "to" has an adverb reading too
         j -= 1
     return (j >= 0 and words[j] in VERB_BEFORE) or (i + 1 < len(words) and words[i + 1] in VERB_AFTER)
 
@@ -251,12 +256,20 @@ def _words(clause: str) -> list[str]:
     return [w.lower().removesuffix("'s") for w in WORD.findall(clause)]
 
 
+def _identifier_runs(code: str) -> list[list[str]]:
+    """The words of each identifier of the code (``binary_search``, ``binarySearch`` -> binary, search), as runs."""
+    stop = STOPWORDS | CODE_STOPWORDS
+    identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
+                   for name in IDENTIFIER.findall(code)]
+    return [run for parts in identifiers for run in _runs(parts, stop)]
+
+
 def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:
     """Noun phrases of 1-3 words within a clause, pre-ranked by count, length and first position.
 
     For code, phrases come from comments and docstrings (as prose, without their doctest lines) and from
     identifiers split into words (``binary_search``, ``binarySearch`` -> "binary search"), never across two
-    identifiers.
+    identifiers; a chunk of doctests only gets the identifiers of its doctest lines.
     """
     counts: Counter[str] = Counter()
     first: dict[str, int] = {}
@@ -264,10 +277,9 @@ def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES
     prose = [NOT_PROSE.sub(" ", MATH.sub(" . ", part)) for part in parts]
     runs = [run for part in prose for clause in CLAUSE_BREAK.split(part) for run in _runs(_words(clause), STOPWORDS)]
     if code:
-        stop = STOPWORDS | CODE_STOPWORDS
-        identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
-                       for name in IDENTIFIER.findall(DOCTEST.sub(" ", text))]
-        runs += [run for parts in identifiers for run in _runs(parts, stop)]
+        runs += _identifier_runs(DOCTEST.sub(" ", text))
+        if not runs:  # doctests only: the functions they call are what the chunk is about
+            runs = _identifier_runs("\n".join(DOCTEST.findall(text)))
     _phrases_of_runs(runs, counts, first)
     if not code:
         for phrase, n in formula_objects(text).items():
@@ -315,7 +327,7 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 10}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 12}
 
     def setup(self) -> None:
         self.embedder.setup()
