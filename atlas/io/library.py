@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes, stable_hash
@@ -75,11 +76,12 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
     """Concept ids of every tagged chunk, most frequent (by its tags) first."""
     mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
     concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
-    fields = inheriting_fields(load_library(run)[1])
+    fields = inheriting_fields(read_json(run.output_dir(layout.LIBRARY) / "config.json"))
+    tags = read_tags(run, ["chunk_id", "field", "tag_norm"])
+    if fields is not None:
+        tags = tags.filter(pc.is_in(tags.column("field"), pa.array(fields, pa.string())))
     votes: dict[str, Counter] = defaultdict(Counter)
-    for row in read_tags(run, ["chunk_id", "field", "tag_norm"]).to_pylist():
-        if fields is not None and row["field"] not in fields:
-            continue
+    for row in tags.select(["chunk_id", "tag_norm"]).to_pylist():
         concept = concept_of_tag.get(row["tag_norm"])
         if concept is not None:
             votes[row["chunk_id"]][concept] += 1

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from atlas.core.files import ArtifactError, read_parquet, read_parts
 from atlas.core.rundir import RunDir
@@ -35,6 +37,16 @@ def tag_parts(run: RunDir) -> list[Path]:
     """Every tag part, for a reader that queries the files directly (DuckDB): each is checked to have the tag
     schema, from its footer alone, so a damaged or foreign part is an ArtifactError that names it."""
     return checked_parts(run, layout.TAGS, TAG_SCHEMA)
+
+
+def vocab_fields(run: RunDir) -> list[str]:
+    """The tag fields the vocabulary was built from (the union of its ``fields`` lists), sorted; read a batch of
+    tags at a time."""
+    found: set[str] = set()
+    for batch in pq.ParquetFile(run.output_dir(layout.TAG_VOCAB) / "part-00000.parquet").iter_batches(
+            batch_size=65_536, columns=["fields"]):
+        found.update(pc.unique(pc.list_flatten(batch.column("fields"))).to_pylist())
+    return sorted(found)
 
 
 def load_vocab(run: RunDir, columns: list[str] | None = None) -> tuple[pa.Table, np.ndarray]:

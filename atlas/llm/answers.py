@@ -80,7 +80,7 @@ def load_schemas(config: TagConfig) -> tuple[dict[str, TagSchema], dict[str, lis
             offline = spec.get("x-atlas-offline")
             if not offline or offline.get("method") not in OFFLINE_METHODS:
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' needs "
-                                  f'"x-atlas-offline": {{"method": "keyphrases", "candidates" or "imports", "k": N}}')
+                                  f'"x-atlas-offline": {{"method": one of {", ".join(OFFLINE_METHODS)}, "k": N}}')
             if spec.get("x-atlas-role", role_of(spec)) not in ROLES:
                 raise SchemaError(f"{root / 'tags' / schema.name}.json: field '{name}' has \"x-atlas-role\" "
                                   f"{spec['x-atlas-role']!r}; expected one of {', '.join(ROLES)}")

@@ -68,6 +68,7 @@ CODE_STOPWORDS = frozenset(
     private static void null this return true false string int32 int64 elif np os sys re typing optional any
     doctest testmod""".split()
 )
+IDENTIFIER_STOPWORDS = STOPWORDS | CODE_STOPWORDS  # the words of code identifiers that end a phrase
 # The modules a chunk of code imports: "import numpy as np", "from bs4 import BeautifulSoup", "import os, sys".
 IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([A-Za-z_][\w.]*)[ \t]+import\b|import[ \t]+([A-Za-z_][\w.]*(?:[ \t]*,[ \t]*"
                     r"[A-Za-z_][\w.]*)*))", re.MULTILINE)
@@ -258,10 +259,9 @@ def _words(clause: str) -> list[str]:
 
 def _identifier_runs(code: str) -> list[list[str]]:
     """The words of each identifier of the code (``binary_search``, ``binarySearch`` -> binary, search), as runs."""
-    stop = STOPWORDS | CODE_STOPWORDS
     identifiers = [[part.lower() for part in CAMEL.findall(name.replace("_", " ")) if part.isalpha()]
                    for name in IDENTIFIER.findall(code)]
-    return [run for parts in identifiers for run in _runs(parts, stop)]
+    return [run for parts in identifiers for run in _runs(parts, IDENTIFIER_STOPWORDS)]
 
 
 def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:

@@ -45,6 +45,7 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
 from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, scratch, sql_list
+from atlas.io.tags import vocab_fields
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.llm.offline import singular_name
 from atlas.models.auxiliary import load_aux_domains
@@ -140,7 +141,7 @@ class LibraryStage(Stage):
         passes += self._merge_names(concepts, run, stats)
 
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0)).to_pydict()
-        chunk_count, lifted, n_chunks, fields = self._coverage(run, concepts)
+        chunk_count, lifted, n_chunks = self._coverage(run, concepts)
         for i, concept in enumerate(concepts):
             concept["chunk_count"], concept["lifted"] = chunk_count.get(i, 0), lifted.get(i, [])
         concepts.sort(key=lambda c: (-c["chunk_count"], c["name"]))  # dense ids, most used first
@@ -169,7 +170,7 @@ class LibraryStage(Stage):
         atomic_write_json(folder / "config.json", {
             "version": LIBRARY_VERSION, "n_concepts": len(rows), "domain_offsets": offsets,
             "domain_sizes": {d: sum(r["domain"] == d for r in rows) for d in offsets},
-            "k": sweep["chosen_k"], "fields": fields, "library": self.config.library.model_dump(),
+            "k": sweep["chosen_k"], "fields": vocab_fields(run), "library": self.config.library.model_dump(),
             "embedding_model": self.config.vocab.embedding_model, "llm_engine": self.config.llm.engine,
             "dedup_passes": passes,
             "stage_hashes": {name: info.get("hash") for name, info in manifest.get("stages", {}).items()},
@@ -181,10 +182,9 @@ class LibraryStage(Stage):
         self._plot(run, rows[:n_content])
         return stats
 
-    def _coverage(self, run: RunDir, concepts: list[dict]) -> tuple[dict[int, int], dict[int, list[str]], int,
-                                                                    list[str]]:
-        """Per concept (its index in ``concepts``): how many chunks its tags came from, and its lifted words; how
-        many chunks the vocabulary came from in all; and the tag fields it was built from."""
+    def _coverage(self, run: RunDir, concepts: list[dict]) -> tuple[dict[int, int], dict[int, list[str]], int]:
+        """Per concept (its index in ``concepts``): how many chunks its tags came from, and its lifted words; and
+        how many chunks the vocabulary came from in all."""
         vocab = run.part_path(layout.TAG_VOCAB, 0)
         chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
         of_cluster = [(cluster, i) for i, c in enumerate(concepts) for cluster in c["merged_from"]]
@@ -203,8 +203,6 @@ class LibraryStage(Stage):
                             JOIN concept_of_cluster c USING (cluster_id) JOIN every_chunk e USING (chunk_id)
                             WHERE k.similarity >= {float(self.config.library.tag_min_similarity)!r}""")
             n_chunks, = con.execute("SELECT count(*) FROM every_chunk").fetchone()
-            fields = [f for (f,) in con.execute(f"SELECT DISTINCT unnest(fields) AS f FROM read_parquet("
-                                                f"{sql_list([vocab])}) ORDER BY f").fetchall()]
             chunk_count = dict(con.execute("SELECT concept, count(*) FROM covered GROUP BY concept").fetchall())
             con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, chunk_text FROM read_parquet({sql_list(chunks)})")
             found, = con.execute("SELECT count(*) FROM every_chunk JOIN chunks USING (chunk_id)").fetchone()
@@ -215,7 +213,7 @@ class LibraryStage(Stage):
             texts = record_batches(con.cursor(), "SELECT e.idx, k.chunk_text FROM every_chunk e JOIN chunks k "
                                                  "USING (chunk_id)", rows=8192)
             lifted = lifted_words(con, texts, self.config.library.lift_min_support, tmp)
-        return chunk_count, lifted, n_chunks, fields
+        return chunk_count, lifted, n_chunks
 
     def _embed(self, texts: list[str], run: RunDir) -> np.ndarray:
         vectors, _ = encode_cached(self.embedder, texts, run.root / layout.CACHE / "embeddings")

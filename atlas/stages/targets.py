@@ -240,10 +240,10 @@ class TargetsStage(Stage):
         tags = tag_parts(run)
         chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "doc_id", "domain", "chunk_text"])
         mapping = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
+        fields = inheriting_fields(library)  # the topic fields: a style tag inherits no content concept
         tmp = run.output_dir(layout.TMP) / self.name  # spill files, removed after
         with scratch(tmp), duckdb_session(tmp, self.config.execution.memory_gb) as con:
             con.execute(f"CREATE VIEW tags AS SELECT chunk_id, field, tag_norm FROM read_parquet({sql_list(tags)})")
-            fields = inheriting_fields(library)  # the topic fields: a style tag inherits no content concept
             con.execute(f"CREATE VIEW chunks AS SELECT chunk_id, doc_id, domain, chunk_text "
                         f"FROM read_parquet({sql_list(chunks)})")
             # the tagged chunks, numbered in chunk id order, and the content concepts their tags map to
