@@ -168,6 +168,14 @@ class VocabConfig(Section):
     # Tags on more than this share of the tagged chunks say nothing about any of them ("number", "people"): left out.
     max_chunk_share: float = Field(default=0.02, gt=0, le=1)
     generic_min_chunks: int = Field(default=20, ge=1)  # ... and on more than this many (small corpora: none generic)
+    # Generic in context: a tag on at least context_min_chunks chunks whose chunks are no more alike than random chunks
+    # of their domain ("way", "value", "answer"; "fraction" across a math corpus) says nothing about them either:
+    # left out when its excess cohesion within its domains is below min_context_specificity (0: no such test).
+    # The most frequent context_max_tags tags are tested (generic words are frequent), each on up to 32 chunks
+    # embedded with annotator.encoder; see the vocab stage.
+    min_context_specificity: float = Field(default=0.05, ge=0, lt=1)
+    context_min_chunks: int = Field(default=8, ge=2)
+    context_max_tags: int = Field(default=5000, ge=1)
     embedding_model: str = "all-MiniLM-L6-v2"  # paper: all-mpnet-base-v2 (768-d), from a local folder or the HF cache
     batch_size: int = Field(default=256, ge=1)  # tags per encode call; also the embedding cache's unit
 

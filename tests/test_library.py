@@ -12,10 +12,11 @@ from test_tag_stage import openai_sections
 from atlas.cli import main
 from atlas.config import LibraryConfig, load_config
 from atlas.core.rundir import RunDir
+from atlas.models.embedder import mean_pairwise_cosine
 from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
 from atlas.stages.cluster import choose_k
-from atlas.stages.coherence import cohesion_score, mean_pairwise_cosine, null_cohesion, strata
+from atlas.stages.coherence import cohesion_score, null_cohesion, strata
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library"]
@@ -95,7 +96,9 @@ def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
         library = {"k": 10, "core_min": 1, "random_min": 1, "edge_min": 1,  # whatever the fake judge says
                    "min_chunk_cohesion": 0}
         annotator = {"epochs": 2, "judge_sample": 3}
-        config = load_config(write_config(tmp_path, labeled_docs, **sections, library=library, annotator=annotator))
+        # the fake model tags every chunk with words of the prompt, which the context test would call generic
+        config = load_config(write_config(tmp_path, labeled_docs, **sections, library=library, annotator=annotator,
+                                          vocab={"min_context_specificity": 0}))
         run_stages(config, log=lambda m: None)
         prompts = [r["messages"][0]["content"] for r in server.requests]
     assert any("coherent concept" in p for p in prompts) and any("You name concepts" in p for p in prompts)

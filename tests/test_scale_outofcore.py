@@ -215,7 +215,9 @@ def test_vocab_stage_writes_what_the_in_memory_grouping_wrote(tmp_path, monkeypa
     chunk_ids = tags.column("chunk_id").to_numpy(zero_copy_only=False)
     cuts = [int(np.searchsorted(chunk_ids, chunk_ids[i])) for i in range(0, tags.num_rows, 100_000)]
     parts = [tags.slice(a, b - a) for a, b in zip(cuts, cuts[1:] + [tags.num_rows])]
-    run, config = synthetic_run(tmp_path, parts, vocab=vocab, execution={"memory_gb": 0.25})
+    # no chunks behind these tags to test their context: the grouping alone is compared
+    run, config = synthetic_run(tmp_path, parts, vocab=vocab | {"min_context_specificity": 0},
+                                execution={"memory_gb": 0.25})
     stage = VocabStage(config)
     stage.embedder = HashEmbedder()
     stats = stage.run_shard(run, 0).to_dict()

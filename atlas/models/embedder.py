@@ -234,6 +234,13 @@ class EmbeddingCache:
             self.db.close()
 
 
+def mean_pairwise_cosine(vectors: np.ndarray) -> float:
+    """Mean cosine over the distinct pairs of L2-normalized vectors."""
+    total = vectors.sum(axis=0)
+    n = len(vectors)
+    return float((total @ total - (vectors * vectors).sum()) / (n * (n - 1)))
+
+
 def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size: int | None = None,
                   progress=None) -> tuple[np.ndarray, int]:
     """FP16 embeddings of ``texts`` through a cache in ``folder``; returns (vectors, how many were computed).

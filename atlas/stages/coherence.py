@@ -62,7 +62,7 @@ from atlas.io.outofcore import (
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.embedder import Embedder, encode_cached
+from atlas.models.embedder import Embedder, encode_cached, mean_pairwise_cosine
 
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
@@ -77,13 +77,6 @@ COHERENCE_SCHEMA = pa.schema(
 )
 SCORE_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["score"],
                 "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 10}}}
-
-
-def mean_pairwise_cosine(vectors: np.ndarray) -> float:
-    """Mean cosine over the distinct pairs of L2-normalized vectors."""
-    total = vectors.sum(axis=0)
-    n = len(vectors)
-    return float((total @ total - (vectors * vectors).sum()) / (n * (n - 1)))
 
 
 def null_cohesion(x: np.ndarray, sizes: set[int], seed: int) -> dict[int, tuple[float, float]]:
