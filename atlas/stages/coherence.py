@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 
 from atlas.config import PROJECT_ROOT
 from atlas.core.extras import llm_extras
-from atlas.core.files import ArtifactError, atomic_write_parquet
+from atlas.core.files import atomic_write_parquet
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -52,22 +52,18 @@ from atlas.io import layout
 from atlas.io.outofcore import (
     PAIRS_PER_PASS,
     budget_slices,
-    checked_parts,
     duckdb_session,
-    record_batches,
-    rows_of,
     scratch,
     sql_list,
 )
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.embedder import Embedder, encode_cached, mean_pairwise_cosine
+from atlas.models.embedder import Embedder, embed_chunks, mean_pairwise_cosine
 
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
 COHESION_SAMPLE = 200  # chunks per cluster (and of the corpus) whose embeddings measure chunk cohesion
-EMBED_SLICE_BATCHES = 16  # encoder batches of chunk texts read and embedded at a time
 OFFLINE_SCORE_CURVE = ((0.0, 1.0), (3.0, 6.5), (12.0, 8.5), (18.75, 10.0))  # offline: (z, score) points, see above
 STRATA = ("core", "random", "edge")
 COHERENCE_SCHEMA = pa.schema(
@@ -203,7 +199,7 @@ class CoherenceStage(Stage):
                 background = self._background_sample(con, int(pairs.sum()))
             ids = sorted({chunk for chunks in covered.values() for chunk in chunks} | set(background))
             with duckdb_session(tmp, memory_gb) as con:  # a new session: the sampling's memory is given back first
-                vectors = self._embed_chunks(con, run, ids)
+                vectors = embed_chunks(con, run, ids, self.embedder, self.config.annotator.embed_batch_size)
         row = {chunk: i for i, chunk in enumerate(ids)}
         if len(background) < 2:
             return {}
@@ -264,30 +260,6 @@ class CoherenceStage(Stage):
                 JOIN drawn USING (pos) ORDER BY pos""", edge).fetchall()]
             con.unregister("drawn")
         return background
-
-    def _embed_chunks(self, con, run: RunDir, ids: list[str]) -> np.ndarray:
-        """The float16 embeddings of the chunks ``ids``, in that order. Their texts come from DuckDB a slice at a
-        time, each a whole number of batches: the batches, and so the cache entries, are those of one call."""
-        chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
-        con.register("wanted", pa.table({"idx": np.arange(len(ids), dtype=np.int64),
-                                         "chunk_id": pa.array(ids, pa.string())}))
-        size, vectors, done = self.config.annotator.embed_batch_size, None, 0
-        slice_rows = EMBED_SLICE_BATCHES * size
-        texts = record_batches(con, f"SELECT w.idx, c.chunk_text FROM wanted w JOIN read_parquet({sql_list(chunks)}) "
-                                    f"c USING (chunk_id) ORDER BY w.idx", rows=slice_rows)
-        for table in rows_of(texts, slice_rows):
-            if not np.array_equal(table.column("idx").to_numpy(), np.arange(done, done + table.num_rows)):
-                break
-            block, _ = encode_cached(self.embedder, table.column("chunk_text").to_pylist(),
-                                     run.root / layout.CACHE / "embeddings", size)
-            if vectors is None:  # filled in place: no second copy to concatenate
-                vectors = np.empty((len(ids), block.shape[1]), dtype=block.dtype)
-            vectors[done : done + len(block)] = block
-            done += len(block)
-        if done != len(ids):
-            raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: chunks of the tag vocabulary are missing from the "
-                                "chunk parts, or are there twice; recompute the chunk stage")
-        return vectors
 
     def _score(self, run: RunDir, sets: dict, x: np.ndarray) -> dict:
         if self.engine is None:

@@ -49,12 +49,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from atlas.core.files import ArtifactError
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.chunks import read_chunks
 from atlas.io.outofcore import (
     PAIRS_PER_PASS,
     NpyWriter,
@@ -71,7 +69,7 @@ from atlas.io.outofcore import (
 from atlas.io.tags import VOCAB_SCHEMA, tag_parts
 from atlas.llm.answers import field_roles, load_schemas
 from atlas.llm.offline import in_lexicon
-from atlas.models.embedder import Embedder, encode_cached, mean_pairwise_cosine
+from atlas.models.embedder import Embedder, embed_chunks, encode_cached, mean_pairwise_cosine
 
 VOCAB_VERSION = 3
 MAX_VARIANTS = 5
@@ -175,52 +173,43 @@ class VocabStage(Stage):
 
     def _generic_in_context(self, con, run: RunDir, stats: Stats) -> list[str]:
         """The tested tags (see the module docstring) whose context specificity is below the threshold, sorted."""
+        from tqdm.auto import tqdm  # a bar inside the stage's one shard: embedding the chunks is its long step
+
         v = self.config.vocab
         tested = con.execute('SELECT tag_norm FROM kept WHERE n_chunks >= $1 ORDER BY n_chunks DESC, tag_norm '
                              'LIMIT $2', [v.context_min_chunks, v.context_max_tags]).fetchall()
         if not tested:
             return []
         con.register("tested", pa.table({"tag_norm": [tag for tag, in tested]}))
-        samples = con.execute(f"""SELECT tag_norm, chunk_id FROM (
+        chunks = f"read_parquet({sql_list(checked_parts(run, layout.CHUNKS, ['chunk_id', 'domain']))})"
+        samples = con.execute(f"""SELECT s.tag_norm, s.chunk_id, c.domain FROM (
             SELECT tag_norm, chunk_id,
                    row_number() OVER (PARTITION BY tag_norm ORDER BY hash(chunk_id), chunk_id) AS pos
-            FROM (SELECT DISTINCT tag_norm, chunk_id FROM topic SEMI JOIN tested USING (tag_norm)))
-            WHERE pos <= {CONTEXT_SAMPLE} ORDER BY tag_norm, chunk_id""").fetchall()
+            FROM (SELECT DISTINCT tag_norm, chunk_id FROM topic SEMI JOIN tested USING (tag_norm))) s
+            LEFT JOIN {chunks} c USING (chunk_id)
+            WHERE s.pos <= {CONTEXT_SAMPLE} ORDER BY s.tag_norm, s.chunk_id""").fetchall()
         con.unregister("tested")
-        chunks = f"read_parquet({sql_list(checked_parts(run, layout.CHUNKS, ['chunk_id', 'domain']))})"
         background = con.execute(f"""SELECT domain, chunk_id FROM (
             SELECT domain, chunk_id, row_number() OVER (PARTITION BY domain ORDER BY hash(chunk_id), chunk_id) AS pos
             FROM {chunks} SEMI JOIN (SELECT DISTINCT chunk_id FROM topic) USING (chunk_id))
             WHERE pos <= {CONTEXT_BACKGROUND} ORDER BY domain, chunk_id""").fetchall()
-        ids = sorted({chunk for _, chunk in samples} | {chunk for _, chunk in background})
-        found = read_chunks(run, ids, ("chunk_text", "domain"))
-        missing = [chunk for chunk in ids if chunk not in found]
-        if missing:
-            raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: chunk {missing[0]!r} of the tags ({len(missing)} "
-                                "in all) is not in the chunk parts; recompute the chunk stage")
-        texts = [found[chunk]["chunk_text"] for chunk in ids]
-        from tqdm.auto import tqdm  # a bar inside the stage's one shard: embedding the chunks is its long step
-
-        with tqdm(total=len(texts), desc="vocab: embed tagged chunks", unit="chunk",
+        ids = sorted({chunk for _, chunk, _ in samples} | {chunk for _, chunk in background})
+        with tqdm(total=len(ids), desc="vocab: embed tagged chunks", unit="chunk",
                   disable=not self.config.execution.progress) as bar:
-            vectors, computed = encode_cached(self.chunk_encoder, texts, run.root / layout.CACHE / "embeddings",
-                                              self.config.annotator.embed_batch_size, progress=bar.update)
-        stats.inc("context_chunks_embedded", computed)
-        vectors = vectors.astype(np.float32)
-        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            vectors = embed_chunks(con, run, ids, self.chunk_encoder, self.config.annotator.embed_batch_size,
+                                   progress=bar.update).astype(np.float32)  # a missing chunk: ArtifactError
         row = {chunk: i for i, chunk in enumerate(ids)}
         by_domain: dict[str, list[int]] = {}
         for domain, chunk in background:
             by_domain.setdefault(domain, []).append(row[chunk])
         baseline = {domain: mean_pairwise_cosine(vectors[rows]) for domain, rows in by_domain.items() if len(rows) > 1}
-        by_tag: dict[str, list[str]] = {}
-        for tag, chunk in samples:
-            by_tag.setdefault(tag, []).append(chunk)
+        by_tag: dict[str, list[tuple[str, str]]] = {}
+        for tag, chunk, domain in samples:
+            by_tag.setdefault(tag, []).append((chunk, domain))
         stats.inc("context_tags_tested", len(by_tag))
         generic = []
         for tag, members in by_tag.items():
-            score = context_specificity(vectors[[row[c] for c in members]], [found[c]["domain"] for c in members],
-                                        baseline)
+            score = context_specificity(vectors[[row[c] for c, _ in members]], [d for _, d in members], baseline)
             if score is not None and score < v.min_context_specificity:
                 generic.append(tag)
         return sorted(generic)
