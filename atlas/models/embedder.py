@@ -244,8 +244,10 @@ def mean_pairwise_cosine(vectors: np.ndarray) -> float:
 EMBED_SLICE_BATCHES = 16  # encoder batches of chunk texts read and embedded at a time by embed_chunks
 
 
-def embed_chunks(con, run, ids: list[str], embedder: Embedder, batch_size: int, progress=None) -> np.ndarray:
-    """The float16 embeddings of the chunks ``ids`` of ``run``, in that order, through the run's embedding cache.
+def embed_chunks(con, run, ids: list[str], embedder: Embedder, batch_size: int,
+                 progress=None) -> tuple[np.ndarray, int]:
+    """The float16 embeddings of the chunks ``ids`` of ``run``, in that order, through the run's embedding cache, and
+    how many were computed (not found in the cache).
 
     Their texts come from DuckDB (``con``) a slice at a time, each a whole number of ``batch_size`` batches: the
     batches, and so the cache entries, are those of one call. A chunk missing from the chunk parts (or there twice)
@@ -259,15 +261,16 @@ def embed_chunks(con, run, ids: list[str], embedder: Embedder, batch_size: int, 
     chunks = checked_parts(run, layout.CHUNKS, ["chunk_id", "chunk_text"])
     con.register("wanted", pa.table({"idx": np.arange(len(ids), dtype=np.int64),
                                      "chunk_id": pa.array(ids, pa.string())}))
-    vectors, done = None, 0
+    vectors, done, computed = None, 0, 0
     slice_rows = EMBED_SLICE_BATCHES * batch_size
     texts = record_batches(con, f"SELECT w.idx, c.chunk_text FROM wanted w JOIN read_parquet({sql_list(chunks)}) "
                                 f"c USING (chunk_id) ORDER BY w.idx", rows=slice_rows)
     for table in rows_of(texts, slice_rows):
         if not np.array_equal(table.column("idx").to_numpy(), np.arange(done, done + table.num_rows)):
             break
-        block, _ = encode_cached(embedder, table.column("chunk_text").to_pylist(),
-                                 run.root / layout.CACHE / "embeddings", batch_size, progress)
+        block, fresh = encode_cached(embedder, table.column("chunk_text").to_pylist(),
+                                     run.root / layout.CACHE / "embeddings", batch_size, progress)
+        computed += fresh
         if vectors is None:  # filled in place: no second copy to concatenate
             vectors = np.empty((len(ids), block.shape[1]), dtype=block.dtype)
         vectors[done : done + len(block)] = block
@@ -276,7 +279,7 @@ def embed_chunks(con, run, ids: list[str], embedder: Embedder, batch_size: int, 
     if done != len(ids):
         raise ArtifactError(f"{run.output_dir(layout.CHUNKS)}: chunks of the tag vocabulary are missing from the "
                             "chunk parts, or are there twice; recompute the chunk stage")
-    return vectors if vectors is not None else np.zeros((0, embedder.dim), dtype=np.float16)
+    return (vectors if vectors is not None else np.zeros((0, embedder.dim), dtype=np.float16)), computed
 
 
 def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size: int | None = None,

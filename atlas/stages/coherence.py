@@ -199,7 +199,7 @@ class CoherenceStage(Stage):
                 background = self._background_sample(con, int(pairs.sum()))
             ids = sorted({chunk for chunks in covered.values() for chunk in chunks} | set(background))
             with duckdb_session(tmp, memory_gb) as con:  # a new session: the sampling's memory is given back first
-                vectors = embed_chunks(con, run, ids, self.embedder, self.config.annotator.embed_batch_size)
+                vectors, _ = embed_chunks(con, run, ids, self.embedder, self.config.annotator.embed_batch_size)
         row = {chunk: i for i, chunk in enumerate(ids)}
         if len(background) < 2:
             return {}

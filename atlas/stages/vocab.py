@@ -196,8 +196,10 @@ class VocabStage(Stage):
         ids = sorted({chunk for _, chunk, _ in samples} | {chunk for _, chunk in background})
         with tqdm(total=len(ids), desc="vocab: embed tagged chunks", unit="chunk",
                   disable=not self.config.execution.progress) as bar:
-            vectors = embed_chunks(con, run, ids, self.chunk_encoder, self.config.annotator.embed_batch_size,
-                                   progress=bar.update).astype(np.float32)  # a missing chunk: ArtifactError
+            vectors, computed = embed_chunks(con, run, ids, self.chunk_encoder,  # a missing chunk: ArtifactError
+                                             self.config.annotator.embed_batch_size, progress=bar.update)
+        stats.inc("context_chunks_embedded", computed)
+        vectors = vectors.astype(np.float32)
         row = {chunk: i for i, chunk in enumerate(ids)}
         by_domain: dict[str, list[int]] = {}
         for domain, chunk in background:
