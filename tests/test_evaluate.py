@@ -112,6 +112,10 @@ def test_probe_reads_a_label_concept_among_rare_ones():
         shares[i, n_labels + rng.choice(rare, 4, replace=False)] = 0.2
     probe = _probes(truth, {"concept": shares, "raw": 100 * shares}, folds=5, seed=0)
     assert probe["concept_accuracy"] == probe["raw_accuracy"] == 1.0
+    # a rare label (2 documents) does not cut the probe to 2 folds trained on half the documents
+    rare_label = np.concatenate([truth, ["rare", "rare"]])
+    rare_shares = np.vstack([shares, np.eye(2, shares.shape[1], k=n_labels, dtype=np.float32)])
+    assert _probes(rare_label, {"concept": rare_shares, "raw": rare_shares}, folds=5, seed=0)["folds"] == 5
 
 
 def test_tag_shares_probe_beside_the_concepts():
@@ -172,7 +176,8 @@ def test_sources_without_enough_labels_are_skipped_with_the_reason():
     mixed = table["mixed"]
     assert "skipped" not in mixed and mixed["labels"] == 2 and mixed["labels_dropped"] == 1
     assert mixed["docs"] == 7 and mixed["docs_with_label"] == 6 and mixed["docs_dropped"] == 1
-    assert mixed["docs_evaluated"] == 5 and mixed["probe"]["folds"] == 2
+    # 3 folds: as many as the largest label ("p") has documents; "q" (2) is in two of the test folds
+    assert mixed["docs_evaluated"] == 5 and mixed["probe"]["folds"] == 3
     assert table["news"]["docs_evaluated"] == 40
 
     calls = []
