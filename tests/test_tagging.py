@@ -111,6 +111,16 @@ def test_candidate_phrases_and_mmr():
                                 '    >>> caesar("abc")  # doctest: +NORMALIZE_WHITESPACE\n    """', code=True)
     assert {"letter", "caesar"} <= set(doctest) and not {"string import ascii", "ascii letter", "whitespace"} & set(
         doctest)  # a docstring's doctest lines are code, not prose
+    raises = candidate_phrases(
+        'from __future__ import annotations\n\n\ndef is_perfect(n):\n'
+        '    """Return True if n is a perfect number.\n\n    Returns:\n        bool\n\n    Examples:\n'
+        '    >>> is_perfect(-1)\n    Traceback (most recent call last):\n        ...\n'
+        '    ValueError: undefined for negative numbers\n    >>> is_perfect(6)\n    True\n    """\n'
+        '    if not isinstance(n, int) or n < 0:\n        raise ValueError("negative")\n'
+        '    return sum(d for d in range(1, n) if n % d == 0) == n', code=True)
+    assert "perfect number" in raises and not {"traceback", "call", "error", "value error", "negative number",
+                                               "example", "return", "isinstance", "annotation", "future"} & set(
+        raises)  # no markup, no doctest output, no plumbing
     only_doctests = candidate_phrases("    >>> rec_ternary_search(0, len(test_list), test_list, 3)\n    -1\n",
                                       code=True)
     assert "ternary search" in only_doctests  # ... unless there is nothing else: the function they call
