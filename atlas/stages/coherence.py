@@ -59,7 +59,7 @@ from atlas.io.outofcore import (
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.embedder import Embedder, embed_chunks, mean_pairwise_cosine
+from atlas.models.embedder import Embedder, embed_chunks, excess_cohesion, mean_pairwise_cosine
 
 COHERENCE_VERSION = 2
 NULL_SETS = 200  # random tag sets per set size: the offline null
@@ -203,9 +203,9 @@ class CoherenceStage(Stage):
         row = {chunk: i for i, chunk in enumerate(ids)}
         if len(background) < 2:
             return {}
-        baseline = min(mean_pairwise_cosine(float_rows(vectors, [row[i] for i in background])), 1 - 1e-6)
-        return {cluster: ((mean_pairwise_cosine(float_rows(vectors, [row[i] for i in chunks])) - baseline)
-                          / (1 - baseline) if len(chunks) > 1 else None)
+        baseline = mean_pairwise_cosine(float_rows(vectors, [row[i] for i in background]))
+        return {cluster: (excess_cohesion(float_rows(vectors, [row[i] for i in chunks]), baseline)
+                          if len(chunks) > 1 else None)
                 for cluster, chunks in covered.items()}
 
     def _cluster_samples(self, con, clusters: np.ndarray, pairs: np.ndarray) -> dict[int, list[str]]:

@@ -69,7 +69,7 @@ from atlas.io.outofcore import (
 from atlas.io.tags import VOCAB_SCHEMA, tag_parts
 from atlas.llm.answers import field_roles, load_schemas
 from atlas.llm.offline import in_lexicon
-from atlas.models.embedder import Embedder, embed_chunks, encode_cached, mean_pairwise_cosine
+from atlas.models.embedder import Embedder, embed_chunks, encode_cached, excess_cohesion, mean_pairwise_cosine
 
 VOCAB_VERSION = 3
 MAX_VARIANTS = 5
@@ -88,8 +88,7 @@ def context_specificity(vectors: np.ndarray, domains: list[str], background: dic
         rows = np.flatnonzero(domains == domain)
         if len(rows) < CONTEXT_DOMAIN_MIN or domain not in background:
             continue
-        r = min(background[domain], 1 - 1e-6)
-        excess.append((mean_pairwise_cosine(vectors[rows]) - r) / (1 - r))
+        excess.append(excess_cohesion(vectors[rows], background[domain]))
         weights.append(len(rows))
     return float(np.average(excess, weights=weights)) if excess else None
 
