@@ -56,6 +56,16 @@ def test_a_batch_is_computed_whole_or_taken_whole(tmp_path):
     assert computed == 0 and again.tobytes() == vectors.tobytes()
 
 
+def test_a_cached_text_keeps_its_vector_when_another_batch_recomputes_it(tmp_path):
+    embedder = CountingEmbedder()
+    first, _ = encode_cached(embedder, texts(10), tmp_path, 5)
+    mixed = texts(10)[:3] + texts(4, "new")  # recomputed with the new texts: CountingEmbedder's bits differ by batch
+    vectors, computed = encode_cached(embedder, mixed, tmp_path, 7)
+    assert computed == 7 and vectors[:3].tobytes() == first[:3].tobytes()
+    rerun, computed = encode_cached(embedder, texts(10), tmp_path, 5)  # the first caller, run again
+    assert computed == 0 and rerun.tobytes() == first.tobytes()
+
+
 def test_repeated_texts_in_a_batch_and_a_batch_beyond_one_query(tmp_path):
     embedder = CountingEmbedder()
     many = texts(EmbeddingCache.MAX_PARAMETERS + 5)

@@ -177,7 +177,8 @@ class EmbeddingCache:
     ~1 KB). The key is a unique index over an append-only rowid table: the vectors (768 bytes each) then lie in
     insertion order and only the small index takes random inserts. Writes are committed at most every
     ``COMMIT_SECONDS`` and on ``close``, each batch inside one transaction: committing every batch rewrites most of
-    the index's pages each time once the index outgrows the page cache."""
+    the index's pages each time once the index outgrows the page cache. A text's first vector is kept: a batch that
+    mixes cached and new texts is computed whole, and a text's last bits can differ with its batch."""
 
     VERSION = 2  # in the file name: a cache of another layout (v1 was keyed by the text itself) is not read
     COMMIT_SECONDS = 5.0
@@ -214,7 +215,7 @@ class EmbeddingCache:
         if not self.db.in_transaction:
             self.db.execute("BEGIN")
         try:
-            self.db.executemany("INSERT OR REPLACE INTO vectors VALUES (?, ?)", rows)
+            self.db.executemany("INSERT OR IGNORE INTO vectors VALUES (?, ?)", rows)
         except BaseException:
             if self.db.in_transaction:  # never part of a batch: what this transaction held is dropped
                 self.db.execute("ROLLBACK")
@@ -294,7 +295,9 @@ def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size
     """FP16 embeddings of ``texts`` through a cache in ``folder``; returns (vectors, how many were computed).
 
     Texts are embedded in fixed batches of their given order and a batch is computed whole or taken
-    whole from the cache, so a resumed run gives the same bytes as an uninterrupted one.
+    whole from the cache, so a resumed run gives the same bytes as an uninterrupted one. A computed batch returns
+    what the cache then holds: a text cached before keeps its vector, though its batch recomputed it (its last bits
+    can differ with the batch, and a rerun of the stage that cached it first would read different bytes).
     ``batch_size`` None: one batch. ``progress`` (optional) is called with each batch's size.
     """
     cache = EmbeddingCache(folder, embedder.model_name)
@@ -306,8 +309,8 @@ def encode_cached(embedder: Embedder, texts: list[str], folder: Path, batch_size
             keys = cache.keys(batch)
             vectors = cache.get(keys)
             if vectors is None:
-                vectors = embedder.encode(batch).astype(np.float16)
-                cache.put(keys, vectors)
+                cache.put(keys, embedder.encode(batch).astype(np.float16))
+                vectors = cache.get(keys)
                 computed += len(batch)
             parts.append(vectors)
             if progress is not None:
