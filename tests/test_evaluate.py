@@ -47,8 +47,8 @@ def test_concepts_equal_to_the_labels_are_perfectly_homogeneous():
     assert e["probe"]["concept_accuracy"] == 1.0 and e["probe"]["ratio"] >= 1
     assert e["majority_baseline"] == pytest.approx(0.25) and e["probe"]["folds"] == 5
     assert e["kmeans"]["k"] == 4 and e["kmeans"]["homogeneity"] < 0.5  # noise embeddings: k-means finds no labels
-    seeds = e["kmeans"]["homogeneity_seeds"]  # its spread over seeds, the noise a gap is read against
-    assert len(seeds) == KMEANS_SEEDS and seeds[0] == e["kmeans"]["homogeneity"]
+    seeds = e["kmeans"]["homogeneity_seeds"]  # the baseline is their mean; their spread, the noise of a gap
+    assert len(seeds) == KMEANS_SEEDS and np.mean(seeds) == pytest.approx(e["kmeans"]["homogeneity"])
     assert e["kmeans"]["homogeneity_sd"] == pytest.approx(np.std(seeds)) and max(seeds) < 0.5
     assert e["homogeneity_ratio"] > 1
     overall = result["overall"]
@@ -85,6 +85,19 @@ def test_annotator_top_concept_is_distinctive_and_representative():
         e = per_source_table(doc_ids, embeddings, scores, labels, sources, concept_vector=vector)["per_source"]["news"]
         assert e["top_concept_by_lift"]["groups"] == 5 and e["top_concept_by_lift"]["homogeneity"] < 0.95, vector
         assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0), vector
+
+
+def test_a_concept_only_one_document_has_is_not_its_top_concept():
+    """Each document has its label's concept and a concept of its own (the rarer: the larger lift). The own
+    concept's centroid is the document itself, nearest of all; left out of it, the concept has no other chunks and
+    comes last, so the label's concept is the top: 4 groups, not one per document."""
+    doc_ids, embeddings, labels, sources = synthetic(separated=True)
+    docs, doc_of_chunk = np.unique(doc_ids, return_inverse=True)
+    alone = np.eye(len(docs), dtype=np.float32)[doc_of_chunk]  # [n_chunks, n_docs]: each document's own concept
+    counts = np.column_stack([one_hot(labels, 4), alone])
+    e = per_source_table(doc_ids, embeddings, counts, labels, sources, concept_vector="share")["per_source"]["news"]
+    assert e["top_concept_by_lift"]["groups"] == len(docs)
+    assert e["top_concept"]["groups"] == e["kmeans"]["k"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1)
 
 
 def test_noise_concepts_probe_worse_than_informative_embeddings():
@@ -236,6 +249,7 @@ def test_evals_report_per_source_on_a_trained_run(run_copy, capsys):
     assert 0 <= e["probe"]["concept_accuracy"] <= 1 and 0 < e["probe"]["raw_accuracy"] <= 1
     assert summary["overall"]["sources_evaluated"] == ["merged"] and summary["chunks_with_concepts"] >= 0
     assert out.index("merged ") < out.index("{") and '"per_source"' not in out[out.index("{"):]
+    assert "source 1 of 1 evaluated: merged (30 documents, probes and k-means at k = " in out  # progress, as it goes
 
     assert main(["eval", "annotator", str(root), "--label-field", "label"]) == 0
     probe = json.loads((root / "report" / "annotator_probe.json").read_text())

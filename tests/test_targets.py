@@ -3,6 +3,7 @@ from Arrow arrays."""
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -92,7 +93,7 @@ def test_only_the_librarys_fields_inherit_concepts(run_copy):
     import atlas.stages.targets as targets
     from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
-    from atlas.io.library import chunk_concepts, load_library
+    from atlas.io.library import chunk_concept_votes, chunk_concepts, load_library
 
     run = RunDir(run_copy)
     fields = load_library(run)[1]["fields"]
@@ -101,6 +102,14 @@ def test_only_the_librarys_fields_inherit_concepts(run_copy):
     mapping = pq.read_table(run.output_dir("library") / "tag_to_concept.parquet").to_pylist()
     mapped = next(m for m in mapping if m["concept_id"] is not None)
     before = chunk_concepts(run)
+    # the votes behind that order: one per tag of a library field that maps to the concept (the library eval's counts)
+    concept_of = {m["tag_norm"]: m["concept_id"] for m in mapping if m["concept_id"] is not None}
+    expected = Counter((row["chunk_id"], concept_of[row["tag_norm"]]) for part in run.parts("tags")
+                       for row in pq.read_table(part).to_pylist()
+                       if row["field"] in fields and row["tag_norm"] in concept_of)
+    votes = chunk_concept_votes(run)
+    assert {(chunk, c): n for chunk, v in votes.items() for c, n in v.items()} == dict(expected)
+    assert {chunk: list(v) for chunk, v in votes.items()} == before and max(expected.values()) > 1
     tag_part = run.parts("tags")[0]
     tags = pq.read_table(tag_part)
     untouched = next(c for c in tags.column("chunk_id").to_pylist() if mapped["concept_id"] not in before.get(c, []))

@@ -74,6 +74,11 @@ def inheriting_fields(library_config: dict) -> list[str] | None:
 
 def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
     """Concept ids of every tagged chunk, most frequent (by its tags) first."""
+    return {chunk: list(votes) for chunk, votes in chunk_concept_votes(run).items()}
+
+
+def chunk_concept_votes(run: RunDir) -> dict[str, dict[int, int]]:
+    """Every tagged chunk's concepts with how many of its tags map to each, most frequent first (ties: smaller id)."""
     mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
     concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
     fields = inheriting_fields(read_json(run.output_dir(layout.LIBRARY) / "config.json"))
@@ -85,7 +90,7 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
         concept = concept_of_tag.get(row["tag_norm"])
         if concept is not None:
             votes[row["chunk_id"]][concept] += 1
-    return {chunk: [c for c, _ in sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))] for chunk, v in votes.items()}
+    return {chunk: dict(sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))) for chunk, v in votes.items()}
 
 
 # --- a library and annotator built by another run (annotate.annotator_from) ---------------------------------------
