@@ -176,15 +176,38 @@ def trained(tmp_path_factory, demo_records):
     return config, RunDir(config.run_dir)
 
 
-@pytest.fixture
-def run_copy(trained, tmp_path):
-    """A private copy of the trained run (with its embedding cache), whose manifest points at the copy."""
+def copy_run_dir(source: Path, root: Path) -> Path:
+    """A copy of the run directory ``source`` (with its caches) at ``root``, whose manifest points at the copy."""
     import shutil
 
-    _, run = trained
-    root = tmp_path / "run"
-    shutil.copytree(run.root, root)
+    shutil.copytree(source, root)
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["config"]["run_dir"] = str(root)
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A private copy of the trained run (with its embedding cache), whose manifest points at the copy."""
+    return copy_run_dir(trained[1].root, tmp_path / "run")
+
+
+# Tiny storage chunks and blocks, so that shards share storage chunks and blocks split shards.
+SMALL = {"annotate": {"zarr_chunk_rows": 7, "block_rows": 5}, "tokenize": {"block_rows": 6}}
+
+
+@pytest.fixture(scope="session")
+def annotated_run(trained, tmp_path_factory):
+    """A copy of the trained run, annotated and tokenized with SMALL, built once per test run (annotating every
+    chunk takes tens of seconds). Never changed: a test that changes it works on a copy (``copy_run_dir``)."""
+    from atlas.config import config_from_dict
+    from atlas.core.rundir import RunDir
+    from atlas.runner import run_stages
+
+    config, run = trained
+    root = copy_run_dir(run.root, tmp_path_factory.mktemp("annotated") / "run")
+    data = config.model_dump() | {"run_dir": str(root)}
+    config = config_from_dict(data | {key: {**data[key], **value} for key, value in SMALL.items()})
+    run_stages(config, ["annotate", "tokenize"], log=lambda m: None)
+    return config, RunDir(root)

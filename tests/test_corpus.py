@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 import yaml
+from conftest import SMALL
 
 from atlas.config import load_config
 from atlas.core.rundir import RunDir
@@ -21,12 +22,9 @@ from atlas.models.tokenizer import BOS, ENDOFTEXT, EOC, cl100k
 from atlas.runner import run_stages
 from atlas.stages.tokenize import chunk_stream
 
-# Tiny storage chunks and blocks, so that shards share storage chunks and blocks split shards.
-SMALL = {"annotate": {"zarr_chunk_rows": 7, "block_rows": 5}, "tokenize": {"block_rows": 6}}
-
 
 def copy_run(trained, folder, **sections):
-    """A copy of the trained run with its own config file (sections override the config)."""
+    """A copy of the trained run (or another fixture's run) with its own config file (sections override the config)."""
     config, run = trained
     shutil.copytree(run.root, folder / "run")
     data = config.model_dump() | {"run_dir": str(folder / "run")}
@@ -48,9 +46,9 @@ def corpus_outputs(run_root):
 
 
 @pytest.fixture(scope="module")
-def corpus(trained, tmp_path_factory):
-    path, config = copy_run(trained, tmp_path_factory.mktemp("corpus"), **SMALL)
-    run_stages(config, ["annotate", "tokenize"], log=lambda m: None)
+def corpus(annotated_run, tmp_path_factory):
+    """The trained run annotated and tokenized with SMALL: a copy of the session's, which this module indexes."""
+    path, config = copy_run(annotated_run, tmp_path_factory.mktemp("corpus"))
     return path, config, RunDir(config.run_dir)
 
 

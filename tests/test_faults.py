@@ -10,6 +10,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,8 +93,10 @@ def pipeline(tmp_path_factory, demo_records):
     its stages took (wall seconds)."""
     folder = tmp_path_factory.mktemp("faults")
     sources = ("python-docs", "python-math-docs", "python-stdlib")
-    docs = write_jsonl(folder / "docs.jsonl",
-                       [r for s in sources for r in [d for d in demo_records if d["data_src"] == s][:8]])
+    # Each text cut to its first 10,000 characters: the stdlib's modules run to 20,000, and whole they were most of
+    # the chunks, so most of the time of every run in this module. Cut, they still make a library of a few concepts.
+    docs = write_jsonl(folder / "docs.jsonl", [dict(r, text=r["text"][:10_000]) for s in sources
+                                               for r in [d for d in demo_records if d["data_src"] == s][:8]])
     # the library from a sample of the documents, as at scale: annotate, tokenize and index still see every chunk
     sections = SMALL | {"tag": SMALL["tag"] | {"sample_fraction": 0.75}}
     config = write_config(folder, docs, input={"docs_per_shard": 6}, **sections)
@@ -110,9 +113,9 @@ def with_run_dir(config: Path, run_dir: Path) -> Path:
     return path
 
 
-@pytest.mark.timeout(1500)  # 24 runs of the pipeline: 3-5 min on 2 quiet cores, far longer on a busy machine
+@pytest.mark.timeout(1500)  # 13 runs of the pipeline: 1-2 min on 2 quiet cores, far longer on a busy machine
 def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outputs(pipeline, tmp_path):
-    """Kill `atlas run` twice per stage, at a random moment after the stage starts (seeded; the seed is printed),
+    """Kill `atlas run` once per stage, at a random moment after the stage starts (seeded; the seed is printed),
     restart it each time, and compare the finished run with the uninterrupted one. The moment is drawn within the
     stage's duration in the uninterrupted run (at most 0.3 s), so that quick stages are hit too; one that ends
     before the kill gets it in the stage after it."""
@@ -124,7 +127,8 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
     print(f"ATLAS_FAULT_SEED={seed}")
     order = {name: i for i, name in enumerate(STAGES)}
     kills: list[tuple[str, float]] = []
-    for target in [name for name in STAGES for _ in range(2)]:
+    # Once per stage: a second kill would land in the same first 0.3 s of the stage, and each kill costs a restart.
+    for target in STAGES:
         process = atlas_run(config)
         # Wait for the target stage, or a later one when the target is already done or too quick to see.
         wait_for(lambda p=process, t=target: p.poll() is not None or order.get(running_stage(run_dir, p.pid), -1)
@@ -142,7 +146,7 @@ def test_sigkill_at_random_points_of_every_stage_then_rerun_gives_identical_outp
     out = finish(atlas_run(config), "the rerun after the kills")
     assert "index" in out
     killed_in = {stage for stage, _ in kills}
-    assert len(kills) >= 16 and len(killed_in & set(STAGES)) >= 10, kills
+    assert len(kills) >= 10 and len(killed_in & set(STAGES)) >= 10, kills
     assert data_files(run_dir) == reference
 
     status = atlas_status(run_dir)
@@ -196,6 +200,9 @@ def limit_file_size(limit: int):
 def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_path):
     config, reference, _ = pipeline
     run_dir = tmp_path / "run"
+    # The reference run's caches (tag answers, embeddings): computing the stages before annotate again, where the
+    # disk fills, took most of this test's time. Annotate reads no cache: it computes what it writes.
+    shutil.copytree(Path(yaml.safe_load(config.read_text())["run_dir"]) / "_cache", run_dir / "_cache")
     config = with_run_dir(config, run_dir)
     finish(atlas_run(config, "chunk,tag"), "`atlas run --stages chunk,tag`")
     before = data_files(run_dir)

@@ -80,7 +80,7 @@ def _start_ray_node(args: list[str], env: dict, log: Path, what: str) -> subproc
     """`ray start ... --block` in a session of its own: stopping it is killing that session, and only it."""
     process = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--block", *args], env=env,
                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    wait_for(lambda: process.poll() is not None or "Ray runtime started" in log.read_text(), what, 180, 0.5)
+    wait_for(lambda: process.poll() is not None or "Ray runtime started" in log.read_text(), what, 180, 0.1)
     assert process.poll() is None, f"{what} failed (exit {process.returncode}):\n{log.read_text()[-3000:]}"
     return process
 
@@ -112,6 +112,9 @@ def test_a_two_node_ray_cluster_started_with_ray_start_runs_tasks_on_both_and_gp
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as conftest.py sets it: the nodes and this driver agree
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    # Stopped by SIGTERM, a node first drains for Ray Serve's sake: up to 30 s, which the head, its GCS going down
+    # with it, always waits out. Nothing here runs on the nodes by then; 0 stops them at once.
+    monkeypatch.setenv("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     env = dict(os.environ)
     port = _free_port()
     # 127.0.0.2, not 127.0.0.1: Ray swaps "localhost" addresses for the host's network address, and this test's

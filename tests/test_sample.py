@@ -7,11 +7,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import zarr
-from conftest import write_config, write_jsonl
+from conftest import copy_run_dir, write_config, write_jsonl
 from fault_server import FaultServer
 from test_tag_stage import openai_sections
 
-from atlas.config import ConfigError, config_from_dict, load_config
+from atlas.config import ConfigError, load_config
 from atlas.core.files import ArtifactError
 from atlas.core.rundir import RunDir
 from atlas.io.chunks import sample_position
@@ -86,11 +86,12 @@ def test_chunks_with_the_same_text_are_one_engine_request(tmp_path, demo_records
 
 
 @pytest.mark.slow
-def test_an_annotator_from_another_run_annotates_as_it_would_there(run_copy, tmp_path):
-    """The trained fixture run annotates its own chunks; a second run with annotate.annotator_from pointing at it
-    chunks the same input, runs no library stage, and writes the same annotated bytes and embeddings."""
+def test_an_annotator_from_another_run_annotates_as_it_would_there(annotated_run, tmp_path):
+    """The trained fixture run annotates its own chunks (the annotated_run fixture); a second run with
+    annotate.annotator_from pointing at it chunks the same input, runs no library stage, and writes the same
+    annotated bytes and embeddings."""
+    run_copy = copy_run_dir(annotated_run[1].root, tmp_path / "run")  # a private copy: its library is changed below
     source_config = json.loads((run_copy / "manifest.json").read_text())["config"]
-    run_stages(config_from_dict(source_config), ["annotate", "tokenize"], log=lambda m: None)
 
     folder = tmp_path / "second"
     folder.mkdir()
