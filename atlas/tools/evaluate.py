@@ -202,7 +202,8 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
     n = len(evaluated)
     member = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (chunk_doc, np.arange(len(rows)))),
                                shape=(n, len(rows)))
-    summed = member @ concepts[rows]
+    chunk_scores = concepts[rows]
+    summed = member @ chunk_scores
     summed = np.asarray(summed.toarray() if sparse.issparse(summed) else summed, dtype=np.float32)
     chunks_per_doc = np.bincount(chunk_doc, minlength=n)[:, None]
     chunk_vectors = _unit_rows(embeddings[rows])
@@ -216,8 +217,13 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
     by_lift = None
     if sums is not None and summed.shape[1]:
         lift = scores / chunks_per_doc  # of the mean probability: the sum's / count
-        own = _OwnChunks(member, concepts[rows], chunk_vectors)
-        by_lift, top = top, np.where(top < 0, -1, _representative_top(lift, raw, sums, own))
+
+        def own_sums(concept_of_doc: np.ndarray) -> np.ndarray:
+            """[n, d]: each document's chunks' embeddings weighted by their score of its concept."""
+            weights = chunk_scores[np.arange(len(rows)), concept_of_doc[chunk_doc]]
+            return np.asarray(member @ (np.asarray(weights, dtype=np.float32).ravel()[:, None] * chunk_vectors))
+
+        by_lift, top = top, np.where(top < 0, -1, _representative_top(lift, raw, sums, own_sums))
     features = {}
     if concept_vector in ("mean", "probabilities"):
         vectors = summed / chunks_per_doc
@@ -226,7 +232,7 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
     else:
         raise ValueError(f"concept_vector must be 'mean', 'share' or 'probabilities', not {concept_vector!r}")
     if concept_vector == "probabilities":
-        p = np.clip(np.asarray(concepts[rows], dtype=np.float64), 1e-6, 1 - 1e-6)
+        p = np.clip(np.asarray(chunk_scores, dtype=np.float64), 1e-6, 1 - 1e-6)
         features["concept_probabilities"] = vectors
         log_odds = np.asarray(member @ np.log(p / (1 - p)), dtype=np.float32)
         vectors = log_odds / chunks_per_doc
@@ -252,21 +258,8 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
             "homogeneity_ratio": _ratio(ours["homogeneity"], theirs["homogeneity"])}
 
 
-class _OwnChunks:
-    """A document's own share of a concept's embedding sum: what leaves the concept's centroid out of it."""
-
-    def __init__(self, member, chunk_concepts, chunk_vectors: np.ndarray):
-        self.member, self.chunk_concepts, self.chunk_vectors = member, chunk_concepts, chunk_vectors
-        self.chunk_doc = member.tocsc().indices  # one document per chunk (column)
-
-    def sums(self, concept_of_doc: np.ndarray) -> np.ndarray:
-        """[n_docs, d]: each document's chunks' embeddings weighted by their score of its concept."""
-        weights = self.chunk_concepts[np.arange(len(self.chunk_doc)), concept_of_doc[self.chunk_doc]]
-        weights = np.asarray(weights, dtype=np.float32).ravel()
-        return np.asarray(self.member @ (weights[:, None] * self.chunk_vectors))
-
-
-def _representative_top(lift: np.ndarray, documents: np.ndarray, sums: np.ndarray, own: _OwnChunks) -> np.ndarray:
+def _representative_top(lift: np.ndarray, documents: np.ndarray, sums: np.ndarray,
+                        own_sums: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """Each document's top concept: of its TOP_CANDIDATES concepts of largest lift that are over-represented in it
     (lift > CANDIDATE_MIN_LIFT), the one whose centroid is nearest the document (cosine); with none
     over-represented, the largest lift.
@@ -274,13 +267,14 @@ def _representative_top(lift: np.ndarray, documents: np.ndarray, sums: np.ndarra
     A candidate's centroid leaves the document's own chunks out: the document is compared with the concept's other
     chunks, not with itself, which a concept of few chunks mostly is (on the dev corpus' labelled sources, at library
     seeds 0-2, AMI rose in 22 of 24 source x eval cells, mostly by 0.01-0.03; homogeneity moved within its noise).
-    A concept only this document has comes last among its candidates."""
+    A concept only this document has comes last among its candidates. ``sums``: every concept's score-weighted
+    embedding sum; ``own_sums(concept of each document)``: the document's own part of it."""
     m = min(TOP_CANDIDATES, lift.shape[1])
     candidates = np.argpartition(-lift, m - 1, axis=1)[:, :m]
     rows = np.arange(len(candidates))[:, None]
     cosine = np.empty(candidates.shape)
     for j in range(m):
-        others = sums[candidates[:, j]] - own.sums(candidates[:, j])
+        others = sums[candidates[:, j]] - own_sums(candidates[:, j])
         norm = np.linalg.norm(others, axis=1)
         cosine[:, j] = np.where(norm > 1e-6, np.einsum("nd,nd->n", documents, others) / np.maximum(norm, 1e-9), -2.0)
     cosine = np.where(lift[rows, candidates] > CANDIDATE_MIN_LIFT, cosine, -np.inf)
@@ -596,21 +590,22 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     size = library_config.get("domain_sizes", {}).get("content", len(rows) - offset)
 
     def indicator(pairs, width: int):
-        """[n_chunks, width] sparse: at each (chunk row, column), how often ``pairs`` names it."""
-        r, c = zip(*pairs) if pairs else ((), ())
-        return sparse.csr_matrix((np.ones(len(r), dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), width))
+        """[n_chunks, width] sparse: the value at each (chunk row, column, value) of ``pairs``."""
+        r, c, v = zip(*pairs) if pairs else ((), (), ())
+        return sparse.csr_matrix((np.asarray(v, dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), width))
 
     def concept_counts():
         """[n_chunks, n_content]: how many of the chunk's tags map to each content concept."""
-        return indicator([(i, concept - offset) for i, chunk_id in enumerate(chunks["chunk_id"])
-                          for concept, votes in assigned.get(chunk_id, {}).items() for _ in range(votes)
+        return indicator([(i, concept - offset, votes) for i, chunk_id in enumerate(chunks["chunk_id"])
+                          for concept, votes in assigned.get(chunk_id, {}).items()
                           if offset <= concept < offset + size], size)
 
     def tag_counts():
         """[n_chunks, n_tags]: 1 where the chunk has the vocabulary's tag."""
         row = {chunk_id: i for i, chunk_id in enumerate(chunks["chunk_id"])}
         vocab = load_vocab(run, ["chunk_ids"])[0]
-        return indicator([(row[chunk_id], tag) for tag, chunk_ids in enumerate(vocab.column("chunk_ids").to_pylist())
+        chunk_ids_of_tag = vocab.column("chunk_ids").to_pylist()
+        return indicator([(row[chunk_id], tag, 1) for tag, chunk_ids in enumerate(chunk_ids_of_tag)
                           for chunk_id in chunk_ids if chunk_id in row], vocab.num_rows)
 
     where = {}
