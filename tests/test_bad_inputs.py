@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import write_config, write_jsonl
-from test_corpus import SMALL, copy_run
+from conftest import SMALL, write_config, write_jsonl
+from test_corpus import copy_run
 
 from atlas.cli import main
 from atlas.core.files import atomic_write_parquet

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from test_corpus import SMALL, copy_run
+from conftest import SMALL
+from test_corpus import copy_run
 
 from atlas.cli import main
 from atlas.core.files import ArtifactError, atomic_write_parquet

@@ -202,7 +202,7 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
     run_dir = tmp_path / "run"
     # The reference run's caches (tag answers, embeddings): computing the stages before annotate again, where the
     # disk fills, took most of this test's time. Annotate reads no cache: it computes what it writes.
-    shutil.copytree(Path(yaml.safe_load(config.read_text())["run_dir"]) / "_cache", run_dir / "_cache")
+    shutil.copytree(config.parent / "run" / "_cache", run_dir / "_cache")
     config = with_run_dir(config, run_dir)
     finish(atlas_run(config, "chunk,tag"), "`atlas run --stages chunk,tag`")
     before = data_files(run_dir)
