@@ -37,7 +37,9 @@ def test_targets_contract(trained):
             ids = r[f"{domain}_global_ids"]
             assert all(offsets[domain] <= g < offsets[domain] + sizes[domain] for g in ids)
         assert r["concepts"] == sorted(g for d in offsets for g in r[f"{d}_global_ids"])
-        assert len(r["tone_global_ids"]) >= 1 and r["aux_status"] == "offline"  # tone: min_labels 1
+        assert r["aux_status"] == "offline"
+    # Offline, a tone only where one stands out (min_labels is what an LLM is asked for): some chunks, not all.
+    assert 0 < sum(bool(r["tone_global_ids"]) for r in rows) < len(rows)
     assert {"train", "heldout"} == {r["split"] for r in rows}
 
 

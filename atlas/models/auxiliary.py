@@ -9,8 +9,9 @@ per chunk, at least ``min_labels``). The same engines annotate them:
 - offline, each label's "name: description" is embedded and compared with the chunk. Raw cosines
   are not comparable across labels (some descriptions sit close to everything), so each label is
   **calibrated** on the chunks being labeled: a label applies when its similarity is ``min_z``
-  standard deviations above that label's mean and at least ``min_similarity``; domains with
-  ``min_labels`` (tone) always get their best label.
+  standard deviations above that label's mean and at least ``min_similarity``. ``min_labels`` is
+  what an LLM, which reads the text, is asked for; offline a chunk where no label stands out gets
+  none (its best label would be noise: "promotional" on a word problem, "frustrated" on a doctest).
 
 Every label gets a global concept id in the library: ``domain_offsets[domain] + position in the list``.
 """
@@ -105,7 +106,8 @@ def calibrated_labels(similarity: np.ndarray, domain: AuxDomain, min_z: float, m
 
     Each label is standardized over the chunks (z-score per column), so a label whose description is
     close to everything does not fire everywhere. A label applies when z >= min_z and cosine >=
-    min_similarity; at most max_labels per chunk (highest z first); the best ``min_labels`` always.
+    min_similarity; at most max_labels per chunk (highest z first), and none when no label passes
+    (``min_labels`` is not forced offline: see the module docstring).
     ``column_stats``: the (mean, std) of each column over all the chunks, when ``similarity`` is a block of them.
     """
     if similarity.shape[0] == 0:
@@ -113,18 +115,11 @@ def calibrated_labels(similarity: np.ndarray, domain: AuxDomain, min_z: float, m
     mean, std = column_stats if column_stats is not None else (similarity.mean(axis=0), similarity.std(axis=0))
     std = std + 1e-6
     z = (similarity - mean) / std
-    keep = max(domain.max_labels, domain.min_labels)
-    # All rows at once (a loop of per-row argsorts was most of the targets stage's time): each row's labels by z,
-    # best first; those within max_labels that pass both thresholds, in that order, then the best min_labels that
-    # did not pass, in theirs.
-    order = np.argsort(-z, axis=1, kind="stable")[:, :keep]
+    # All rows at once (a loop of per-row argsorts was most of the targets stage's time): each row's best
+    # max_labels labels by z, best first, then those that pass both thresholds, in that order.
+    order = np.argsort(-z, axis=1, kind="stable")[:, :domain.max_labels]
     z_top = np.take_along_axis(z, order, axis=1)
     sim_top = np.take_along_axis(similarity, order, axis=1)
-    place = np.arange(order.shape[1])
-    passes = (place < domain.max_labels) & (z_top >= min_z) & (sim_top >= min_similarity)
-    rank = np.where(passes, place, np.where(place < domain.min_labels, keep + place, 2 * keep))
-    slots = np.argsort(rank, axis=1, kind="stable")
-    chosen = np.take_along_axis(order, slots, axis=1).tolist()
-    cosines = np.take_along_axis(sim_top, slots, axis=1).tolist()
-    counts = (rank < 2 * keep).sum(axis=1).tolist()
-    return [list(zip(labels[:n], cosine[:n])) for labels, cosine, n in zip(chosen, cosines, counts)]
+    passes = (z_top >= min_z) & (sim_top >= min_similarity)
+    return [[(j, s) for j, s, ok in zip(labels, cosines, row) if ok]
+            for labels, cosines, row in zip(order.tolist(), sim_top.tolist(), passes.tolist())]

@@ -69,7 +69,7 @@ from atlas.llm.prompts import load_prompt
 from atlas.models.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
 from atlas.models.embedder import Embedder, encode_cached
 
-TARGETS_VERSION = 2  # 2: concepts are inherited through the library's fields only
+TARGETS_VERSION = 3  # 3: offline, a chunk gets no auxiliary label unless one stands out (no forced tone)
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
 AUX_BLOCK = 32_768  # reservoir chunks embedded, labeled and written at a time (~50 MB of float32 embeddings)
 SPILL_ROWS = 8_192  # reservoir rows (with their texts: ~8 MB) taken from the join at a time
