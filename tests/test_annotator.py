@@ -2,12 +2,15 @@
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from conftest import write_config
 from scipy import sparse
 
+from atlas.config import PROJECT_ROOT, load_config
 from atlas.core.files import ArtifactError
 from atlas.llm.answers import SchemaError
 from atlas.models.annotator import (
@@ -35,7 +38,7 @@ from atlas.models.pu_metrics import (
     ranking_metrics,
     reliability,
 )
-from atlas.stages.targets import build_reservoir, heldout_split
+from atlas.stages.targets import TargetsStage, build_reservoir, heldout_split
 
 
 def softplus(x: float) -> float:
@@ -287,6 +290,16 @@ def test_aux_lists_ship_and_bad_files_are_named(tmp_path):
         load_aux_domains(["tone"], str(tmp_path))
     with pytest.raises(SchemaError, match="no candidate list for auxiliary domain 'mood'"):
         load_aux_domains(["mood"], str(tmp_path))
+
+
+def test_editing_an_auxiliary_list_makes_the_targets_stale(tmp_path):
+    shutil.copytree(PROJECT_ROOT / "schemas", tmp_path / "schemas")
+    schemas = {"schema_dir": str(tmp_path / "schemas")}
+    config = load_config(write_config(tmp_path, tmp_path / "docs.jsonl", tag=schemas))
+    before = TargetsStage(config).identity()
+    tone = tmp_path / "schemas" / "aux" / "tone.json"
+    tone.write_text(tone.read_text().replace('"name": "formal"', '"name": "official"'))
+    assert TargetsStage(config).identity() != before  # the labels it gives come from these lists
 
 
 def small_annotator(tmp_path, seed=0):

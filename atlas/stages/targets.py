@@ -207,7 +207,9 @@ class TargetsStage(Stage):
     def identity(self) -> dict:
         a = self.config.annotator
         identity = {"version": TARGETS_VERSION, "seed": a.seed, "reservoir_size": a.reservoir_size,
-                    "min_per_concept": a.min_per_concept, "heldout_fraction": a.heldout_fraction}
+                    "min_per_concept": a.min_per_concept, "heldout_fraction": a.heldout_fraction,
+                    "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in load_aux_domains(
+                        self.config.library.aux_domains, self.config.tag.schema_dir)}}
         if self.config.llm.engine == "offline":
             return identity | {"aux": "offline", "embedding_model": self.config.tag.embedding_model,
                                "min_z": a.aux_min_z, "min_similarity": a.aux_min_similarity,
