@@ -291,7 +291,8 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
         log(f"{name}: {len(pending)} shard(s) to run" + (f", {done_before} already done" if done_before else ""))
         # Shards that run at once share the cores: torch's own threads would spin against each other (on 2 busy
         # cores, 2 threads per encoder ran 15x slower than 1). Read by atlas.models.embedder when a model loads.
-        at_once = min(len(pending), config.execution.workers) or 1
+        # The inline loop runs one shard at a time, whatever execution.workers says: it gets every core.
+        at_once = 1 if map_shards is map_inline else min(len(pending), config.execution.workers) or 1
         os.environ["ATLAS_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // at_once))
         try:
             errors = map_shards(config_dict, name, pending, stage_hash) if pending else []
