@@ -235,8 +235,9 @@ def worker(stage_name: str, run_dir: str) -> None:
 
         stage = ALL[stage_name](config)
         stage.setup()
-        if hasattr(stage, "embedder"):
-            stage.embedder = SyntheticEmbedder()
+        for encoder in ("embedder", "chunk_encoder"):  # vocab encodes chunks with a second one (its context check)
+            if hasattr(stage, encoder):
+                setattr(stage, encoder, SyntheticEmbedder())
         stats = stage.run_shard(run, 0)
         run.mark_shard_done(stage.output, 0, "bench", stats.to_dict(), time.perf_counter() - start)
         run.mark_stage_done(stage.output, "bench")

@@ -160,15 +160,22 @@ def table(path: Path):
 @pytest.mark.timeout(900)
 def test_a_run_in_a_bucket_is_killed_then_finished_from_another_machine(s3, trained, demo_records, tmp_path,
                                                                           monkeypatch):
-    """The ``trained`` fixture's documents and settings, run whole in s3://atlas-test/runs/..., killed by SIGKILL
-    once the tag stage's first marker is in the bucket, then finished with another local copy (another machine)."""
+    """The ``trained`` fixture's documents (cut short) and settings, run whole in s3://atlas-test/runs/..., killed by
+    SIGKILL once the tag stage's first marker is in the bucket, then finished with another local copy (another
+    machine)."""
     sources = ("python-docs", "python-math-docs", "python-stdlib")
     picked = [r for source in sources for r in [d for d in demo_records if d["data_src"] == source][:10]]
-    docs = write_jsonl(tmp_path / "docs.jsonl", [dict(r, label=r["data_src"]) for r in picked])
-    s3.put_file(str(docs), f"{BUCKET}/corpus/docs.jsonl")
+    # Each text cut to its first 4,000 characters: whole, the stdlib's modules (up to 20,000) made most of the 273
+    # chunks, and every run here encodes every chunk several times. Cut, 104 chunks still make 3 shards of 10
+    # documents (so shards 1 and 2 are left for machine b) and a library of concepts.
+    docs = write_jsonl(tmp_path / "docs.jsonl", [dict(r, label=r["data_src"], text=r["text"][:4000]) for r in picked])
+    # A folder of this test's own: moto keeps its buckets per process, and test_remote_inputs leaves its documents
+    # in corpus/, which a run of s3://atlas-test/corpus/ would read too (7 shards, not 3, in a whole test run).
+    corpus = f"{BUCKET}/inputs/{tmp_path.name}"
+    s3.put_file(str(docs), f"{corpus}/docs.jsonl")
     url = f"s3://{BUCKET}/runs/{tmp_path.name}"
     sections = {key: getattr(trained[0], key).model_dump() for key in ("library", "tag", "annotator")}
-    config_path = write_config(tmp_path, f"s3://{BUCKET}/corpus/", input={"metadata_fields": ["label"]},
+    config_path = write_config(tmp_path, f"s3://{corpus}/", input={"metadata_fields": ["label"]},
                                index={"code_bytes": 8}, **sections)
     monkeypatch.setenv("ATLAS_CACHE", str(tmp_path / "machine-a"))
 
