@@ -116,7 +116,7 @@ def calibrated_labels(similarity: np.ndarray, domain: AuxDomain, min_z: float, m
     std = std + 1e-6
     z = (similarity - mean) / std
     # All rows at once (a loop of per-row argsorts was most of the targets stage's time): each row's best
-    # max_labels labels by z, best first, then those that pass both thresholds, in that order.
+    # max_labels labels by z, best first, of which those that pass both thresholds are kept.
     order = np.argsort(-z, axis=1, kind="stable")[:, :domain.max_labels]
     z_top = np.take_along_axis(z, order, axis=1)
     sim_top = np.take_along_axis(similarity, order, axis=1)
