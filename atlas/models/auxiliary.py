@@ -26,6 +26,7 @@ import numpy as np
 from jsonschema import Draft202012Validator
 
 from atlas.config import PROJECT_ROOT
+from atlas.core.files import sha256_bytes
 from atlas.llm.answers import SchemaError, TagSchema
 
 
@@ -78,6 +79,17 @@ def load_aux_domains(names: list[str], schema_dir: str | None = None) -> list[Au
             raise SchemaError(f"{path}: need 0 <= min_labels <= max_labels, got {min_labels} and {max_labels}")
         domains.append(AuxDomain(name, str(data.get("description", "")), labels, max_labels, min_labels, path))
     return domains
+
+
+def configured_domains(config) -> list[AuxDomain]:
+    """The auxiliary domains an ``AtlasConfig`` asks for (``library.aux_domains``), from its schema folder."""
+    return load_aux_domains(config.library.aux_domains, config.tag.schema_dir)
+
+
+def list_hashes(domains: list[AuxDomain]) -> dict[str, str]:
+    """The sha256 of each domain's list file: part of the identity of every stage whose output the lists decide
+    (library: the labels' ids and names; targets: which labels a chunk gets)."""
+    return {d.name: sha256_bytes(d.path.read_bytes()) for d in domains}
 
 
 def answer_schema(domains: list[AuxDomain]) -> TagSchema:

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas.core.extras import llm_extras
-from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet, read_json, sha256_bytes
+from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet, read_json
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -48,7 +48,7 @@ from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, sc
 from atlas.io.tags import vocab_fields
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.llm.offline import singular_name
-from atlas.models.auxiliary import load_aux_domains
+from atlas.models.auxiliary import configured_domains, list_hashes
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
@@ -115,13 +115,10 @@ class LibraryStage(Stage):
                     "min_merged": c.dedup_min_merged, "name_merge_tau": c.name_merge_tau,
                     "lift_min_support": c.lift_min_support, "tag_min_similarity": c.tag_min_similarity,
                     "embedding_model": self.config.vocab.embedding_model,
-                    "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in self._aux_domains()}}
+                    "aux_files": list_hashes(configured_domains(self.config))}
         if self.config.llm.engine == "offline":
             return identity
         return identity | {"engine": make_engine(self.config.llm).identity(), "prompt_sha256": label_prompt().sha256}
-
-    def _aux_domains(self):
-        return load_aux_domains(self.config.library.aux_domains, self.config.tag.schema_dir)
 
     def setup(self) -> None:
         self.embedder = Embedder(self.config.vocab.embedding_model)
@@ -152,7 +149,7 @@ class LibraryStage(Stage):
                 for i, c in enumerate(concepts)]
         concept_of_cluster = {cluster: row["concept_id"] for row in rows for cluster in row["merged_from"]}
         offsets, n_content = {"content": 0}, len(rows)
-        for domain in self._aux_domains():  # after the content concepts: tone, demographic, alignment
+        for domain in configured_domains(self.config):  # after the content concepts: tone, demographic, alignment
             offsets[domain.name] = len(rows)
             rows += [{"concept_id": len(rows) + i, "domain": domain.name, "name": label["name"],
                       "description": label["description"], "evidence_tags": [], "n_tags": 0, "chunk_count": None,

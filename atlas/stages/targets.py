@@ -66,7 +66,7 @@ from atlas.llm.ask import ask_until_done
 from atlas.llm.cache import RequestCache
 from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.auxiliary import answer_schema, calibrated_labels, describe_lists, load_aux_domains
+from atlas.models.auxiliary import answer_schema, calibrated_labels, configured_domains, describe_lists, list_hashes
 from atlas.models.embedder import Embedder, encode_cached
 
 TARGETS_VERSION = 3  # 3: offline, a chunk gets no auxiliary label unless one stands out (no forced tone)
@@ -208,8 +208,7 @@ class TargetsStage(Stage):
         a = self.config.annotator
         identity = {"version": TARGETS_VERSION, "seed": a.seed, "reservoir_size": a.reservoir_size,
                     "min_per_concept": a.min_per_concept, "heldout_fraction": a.heldout_fraction,
-                    "aux_files": {d.name: sha256_bytes(d.path.read_bytes()) for d in load_aux_domains(
-                        self.config.library.aux_domains, self.config.tag.schema_dir)}}
+                    "aux_files": list_hashes(configured_domains(self.config))}
         if self.config.llm.engine == "offline":
             return identity | {"aux": "offline", "embedding_model": self.config.tag.embedding_model,
                                "min_z": a.aux_min_z, "min_similarity": a.aux_min_similarity,
@@ -233,7 +232,7 @@ class TargetsStage(Stage):
     def run_shard(self, run: RunDir, shard: int) -> Stats:
         a = self.config.annotator
         _, library = load_library(run)
-        domains = load_aux_domains(self.config.library.aux_domains, self.config.tag.schema_dir)
+        domains = configured_domains(self.config)
         offsets = library["domain_offsets"]
         if missing := [d.name for d in domains if d.name not in offsets]:
             raise ValueError(f"{run.output_dir(layout.LIBRARY)}/config.json has no offsets for auxiliary domains "
