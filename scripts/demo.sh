@@ -15,5 +15,5 @@ echo "Look at a few chunks and their tags:  .venv/bin/atlas inspect runs/demo ta
 echo "Held-out chunks with predicted concepts:  .venv/bin/atlas inspect runs/demo annotator -n 3"
 echo "Nearest training chunks:  .venv/bin/atlas search runs/demo \"how do I open a file for writing?\" -k 3"
 echo "Label any text:  .venv/bin/atlas annotate-text runs/demo \"Binary search halves the interval at every step.\""
-echo "Generate, steered toward a concept:  .venv/bin/atlas cblm generate runs/demo/cblm/cblm --prompt \"The\" --steer \"python object\" --strength 0.5 --compare"
+echo "Generate, steered toward a concept:  .venv/bin/atlas cblm generate runs/demo/cblm/cblm --prompt \"The\" --steer \"python program\" --strength 0.5 --compare"
 echo "Which concepts carry a text's logits:  .venv/bin/atlas cblm attribute runs/demo/cblm/cblm \"import os\""

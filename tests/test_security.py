@@ -56,6 +56,21 @@ def test_no_pickle_based_loader_in_the_source():
     assert not found, found
 
 
+def test_the_pos_tagger_weights_reader_takes_plain_data_only(tmp_path):
+    """The offline tagger's part-of-speech weights ship as a pickle (textblob-aptagger): they are read with an
+    unpickler that refuses every class but a set, so a swapped file fails before it runs anything."""
+    import io
+
+    from atlas.llm.offline import PlainDataUnpickler
+
+    plain = ({"word": {"NN": 1.5}}, {"the": "DT"}, {"NN", "DT"})
+    assert PlainDataUnpickler(io.BytesIO(pickle.dumps(plain, protocol=2))).load() == plain
+    sentinel = tmp_path / "pwned"
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        PlainDataUnpickler(io.BytesIO(pickle.dumps(Payload(sentinel)))).load()
+    assert not sentinel.exists()
+
+
 def test_a_planted_pickle_weight_file_is_refused_without_running(tmp_path):
     """A fine-tuned encoder folder (RUN/annotator/encoder/) whose weights were swapped for a pickle."""
     folder = tmp_path / "encoder"

@@ -121,6 +121,10 @@ def test_candidate_phrases_and_mmr():
     assert "perfect number" in raises and not {"traceback", "call", "error", "value error", "negative number",
                                                "example", "return", "isinstance", "annotation", "future"} & set(
         raises)  # no markup, no doctest output, no plumbing
+    cut = candidate_phrases('the maximum string for a magic ring.\n"""\n\nfrom itertools import permutations\n\n\n'
+                            'def solution(side: int = 5) -> int:\n    """Find the largest ring."""\n    return 1\n',
+                            code=True)  # a chunk cut inside a docstring: its first quotes close one
+    assert {"magic ring", "largest ring", "solution"} <= set(cut) and not {p for p in cut if p.startswith("def ")}
     only_doctests = candidate_phrases("    >>> rec_ternary_search(0, len(test_list), test_list, 3)\n    -1\n",
                                       code=True)
     assert "ternary search" in only_doctests  # ... unless there is nothing else: the function they call
@@ -135,6 +139,12 @@ def test_candidate_phrases_and_mmr():
                              "the strike will likely end. The end of the strike came.")
     assert {"oil company", "nigeria", "strike", "end"} <= set(news)
     assert not {p for p in news if {"say", "give", "think", "now"} & set(p.split())}
+    # ... and wherever the part-of-speech tagger reads it as a verb in its sentence, past tense included; a tag the
+    # lexicon rules out ("radius" as a participle) and a tag on a name (outside the lexicon) are overruled
+    tagged = candidate_phrases("After the capital Samarkand fell, Luther married Katharina von Bora. The algorithm "
+                               "takes linear time, as playwrights Aeschylus and Ovid knew. The circle has radius 3.")
+    assert {"capital samarkand", "katharina von bora", "linear time", "aeschylus", "ovid", "radius"} <= set(tagged)
+    assert not {p for p in tagged if {"fell", "married", "take", "takes"} & set(p.split())}
     # "to" before a verb is no adverb to look past ("to grab"); weekdays date a story and a month alone is no topic
     dated = candidate_phrases("On Tuesday the cable industry tried to grab VoIP's coattails. In October, the "
                               "November Uprising began.")

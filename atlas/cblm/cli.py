@@ -21,7 +21,7 @@ EXAMPLES = """examples:
   atlas cblm train runs/demo --name diff --set objective=diffusion --set block_size=16
   atlas cblm eval runs/demo/cblm/cblm
   atlas cblm eval runs/demo/cblm/cblm --steering --reference runs/demo/cblm/baseline   # + the steering table
-  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "python object" \
+  atlas cblm generate runs/demo/cblm/cblm --prompt "The function returns" --steer "python program" \
 --strength 0.5 --compare
   atlas cblm tda runs/demo/cblm/cblm                    # transducer into the run's IVFPQ index, held-out recall@10
   atlas cblm attribute runs/demo/cblm/cblm "def add(a, b): return a + b"

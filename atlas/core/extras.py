@@ -11,7 +11,7 @@ import importlib.util
 
 # extra -> the modules it installs that Atlas imports (pyproject.toml's optional-dependencies)
 EXTRAS = {
-    "embed": ("torch", "sentence_transformers", "safetensors", "lemminflect"),
+    "embed": ("torch", "sentence_transformers", "safetensors", "lemminflect", "nltk", "textblob_aptagger"),
     "library": ("faiss", "community", "networkx", "sklearn", "scipy", "matplotlib"),
     "cluster": ("ray", "prefect_ray"),
     "gpu": ("vllm",),

@@ -5,12 +5,12 @@ its output goes through the same validation and accounting. It reads ``request.c
 
 - ``task="tag"``: fields marked ``"x-atlas-offline": {"method": "keyphrases"}`` in the domain
   schema get KeyBERT-style keyphrases: candidate noun phrases of 1-3 words within one clause
-  (``candidate_phrases``: stopwords, number words and words that can only be verbs or adverbs end a
-  phrase; the head is singular; for code, identifiers are split into words, and doctest examples with
-  their expected output, docstring markup, Python's exception classes and its plumbing builtins are left
-  out), ranked by embedding
-  similarity to the chunk, and picked with maximal marginal relevance (MMR) so they do not repeat
-  each other. Several keyphrase fields share one MMR ranking in schema order (e.g. "main" takes the
+  (``candidate_phrases``: stopwords, number words, words that can only be verbs or adverbs, and words the
+  part-of-speech tagger reads as verbs, adverbs or function words in their sentence end a phrase; the
+  head is singular; for code, identifiers are split into words, and doctest examples with their expected
+  output, docstring markup, Python's exception classes and its plumbing builtins are left out), ranked
+  by embedding similarity to the chunk, and picked with maximal marginal relevance (MMR) so they do not
+  repeat each other. Several keyphrase fields share one MMR ranking in schema order (e.g. "main" takes the
   most central phrases, "minor" the next ones). Fields marked ``{"method": "candidates", "list":
   NAME}`` get an entry of the finite list ``schemas/candidates/NAME.json`` only when it clearly
   stands out for the chunk (``clear_candidates``), else nothing: a fixed-list answer that is merely
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import pickle
 import re
 from collections import Counter
 from functools import lru_cache
@@ -144,6 +145,8 @@ FORMULA_OBJECTS = {
 LATEX_COMMAND = re.compile(r"\\(?:begin\{([a-z]+)\*?\}|([A-Za-z]+))")
 FACTORIAL = re.compile(r"(?<=[\w)}])!")
 COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
+TRIPLE_QUOTED = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'')
+DEFINITION = re.compile(r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+\w", re.MULTILINE)  # code, never a docstring
 # Code inside the prose of code: a docstring's doctest lines (">>> from string import ascii_letters") and doctest
 # directives ("# doctest: +ELLIPSIS").
 DOCTEST = re.compile(r"^[ \t]*(?:>>>|\.\.\.)[^\n]*|#[ \t]*doctest:[^\n]*", re.MULTILINE)
@@ -268,11 +271,80 @@ def verb_in_context(words: list[str], i: int) -> bool:
     return (j >= 0 and words[j] in VERB_BEFORE) or (i + 1 < len(words) and words[i + 1] in VERB_AFTER)
 
 
-def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
-    """Maximal runs of consecutive words that can be part of a noun phrase."""
+class PlainDataUnpickler(pickle.Unpickler):
+    """Reads a pickle of plain data only (dicts, lists, strings, numbers, sets): any other class or function it names
+    is refused before it can run, so a tampered weights file cannot execute code (no pickle is loaded unrestricted)."""
+
+    ALLOWED = {("__builtin__", "set"), ("builtins", "set"), ("__builtin__", "frozenset"), ("builtins", "frozenset")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused: the pickle names {module}.{name}, which is not plain data")
+        return super().find_class(module, name)
+
+
+@lru_cache(maxsize=1)
+def _pos_tagger():
+    """NLTK's averaged perceptron tagger with the weights the ``textblob-aptagger`` package ships (Penn Treebank tags,
+    trained on the Wall Street Journal; about 97% of words right there). NLTK's own weights are a separate download;
+    these come with the package, so nothing is fetched. The package's module is not imported (it needs a TextBlob
+    of 2014): only its weights file is read."""
+    import importlib.util
+    from pathlib import Path
+
+    from nltk.tag.perceptron import PerceptronTagger
+
+    spec = importlib.util.find_spec("textblob_aptagger")
+    if spec is None:
+        raise ImportError("the offline tagger needs textblob-aptagger: pip install 'atlas-concepts[embed]'")
+    with open(Path(spec.submodule_search_locations[0]) / "trontagger-0.1.0.pickle", "rb") as f:
+        weights, tagdict, classes = PlainDataUnpickler(f, encoding="latin1").load()  # pickled by Python 2
+    tagger = PerceptronTagger(load=False)
+    tagger.model.weights, tagger.tagdict, tagger.classes, tagger.model.classes = weights, tagdict, classes, classes
+    return tagger
+
+
+def part_of_speech(tokens: list[str]) -> list[str]:
+    """The Penn Treebank tag of each token of a text ("NN", "VBD", ...), in its context. The tokens keep their case:
+    a capital is how the tagger knows "Kelly" and "Luther" for names (lowercase, they came out as an adverb)."""
+    return [tag for _, tag in _pos_tagger().tag(tokens)] if tokens else []
+
+
+def in_noun_phrase(words: list[str], tags: list[str], i: int, run_open: bool) -> bool:
+    """Whether the tagger lets word ``i`` be part of a noun phrase: a noun, an adjective, a foreign word or an "-ing"
+    form (which the lexicon then judges: "learning" and "building" are nouns, "causing" is not); a past participle
+    only where it opens a phrase before a noun ("given name"), not after one, where it is a verb. Verbs, adverbs,
+    modals and function words end a phrase: "capital samarkand fell", "algorithm takes" and "luther married" are no
+    phrases, though "fell", "take" and "married" can be nouns or adjectives. A verb tag on a word that is no such form
+    of a verb in the lexicon is the tagger's slip ("the circle has radius 3": "radius" as a past participle), and is
+    overruled; so is an adverb tag on a word the lexicon knows as no adverb. A word outside the lexicon stays a noun,
+    as word_class has it: on names the tagger's weights slip ("Aeschylus" as a conjunction, "Ovid" as a symbol)."""
+    tag = tags[i]
+    if tag.startswith(("NN", "JJ", "FW")) or tag == "VBG" or not lemmas(words[i]):
+        return True
+    if tag == "VBN" and not run_open and i + 1 < len(tags) and tags[i + 1].startswith(("NN", "JJ")):
+        return True
+    return tag.startswith(("VB", "RB")) and not lexicon_allows(words[i], tag)
+
+
+@lru_cache(maxsize=200_000)
+def lexicon_allows(word: str, tag: str) -> bool:
+    """Whether the English lexicon has ``word`` as the verb form (VB*: "fell" is a VBD of "fall") or the adverb (RB*)
+    the tagger says it is."""
+    import lemminflect
+
+    if tag.startswith("RB"):
+        return "ADV" in lemmas(word)
+    return any(word in lemminflect.getInflection(lemma, tag) for lemma in lemmas(word).get("VERB", ()))
+
+
+def _runs(words: list[str], stop: frozenset, tags: list[str] | None = None) -> list[list[str]]:
+    """Maximal runs of consecutive words that can be part of a noun phrase. ``tags``: the words' parts of speech in
+    their clause (prose); without them (the words of an identifier) verb_in_context's cues stand in."""
     runs, run = [], []
     for i, word in enumerate(words):
-        if word not in stop and word_class(word) != "break" and not verb_in_context(words, i):
+        in_phrase = in_noun_phrase(words, tags, i, bool(run)) if tags is not None else not verb_in_context(words, i)
+        if word not in stop and word_class(word) != "break" and in_phrase:
             run.append(word)
         elif run:
             runs.append(run)
@@ -280,8 +352,21 @@ def _runs(words: list[str], stop: frozenset) -> list[list[str]]:
     return runs + ([run] if run else [])
 
 
-def _words(clause: str) -> list[str]:
-    return [w.lower().removesuffix("'s") for w in WORD.findall(clause)]
+def _tagged_clauses(prose: str) -> list[tuple[list[str], list[str]]]:
+    """The word tokens of each clause of ``prose`` with their parts of speech, tagged in one pass so each word has its
+    sentence around it (a clause alone, such as "(nerve damage)", reads as an order: "nerve" a verb). A comma stands
+    in for each clause break."""
+    clauses = [WORD.findall(clause) for clause in CLAUSE_BREAK.split(prose)]
+    flat = [token for tokens in clauses for token in [*tokens, ","]]
+    tags, out, start = part_of_speech(flat), [], 0
+    for tokens in clauses:
+        out.append((tokens, tags[start : start + len(tokens)]))
+        start += len(tokens) + 1
+    return out
+
+
+def _words(tokens: list[str]) -> list[str]:
+    return [w.lower().removesuffix("'s") for w in tokens]
 
 
 def _identifier_runs(code: str) -> list[list[str]]:
@@ -294,6 +379,18 @@ def _identifier_runs(code: str) -> list[list[str]]:
 def _keep_quotes(markup: re.Match) -> str:
     """DOCSTRING_MARKUP's replacement: a clause break, after the quotes that open a docstring if it took them."""
     return (markup.group("quotes") or "") + " . "
+
+
+def code_prose(source: str) -> list[str]:
+    """The comments and docstrings of a chunk of code. A chunk cut inside a docstring opens with the docstring's tail,
+    which its first triple quote closes; pairing quotes from the chunk's start takes the code between two docstrings
+    for one (101 of the dev corpus' 2,240 code chunks open in a docstring; "def solution" was one of 47 "def ..." tags
+    they gave). So when the first pair holds a definition line, the text before the first quote is a docstring's tail
+    and pairing starts after that quote."""
+    first = TRIPLE_QUOTED.search(source)
+    if first is None or not DEFINITION.search(first.group()):
+        return COMMENT_OR_DOCSTRING.findall(source)
+    return [source[: first.start()], *COMMENT_OR_DOCSTRING.findall(source, first.start() + 3)]
 
 
 def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES) -> list[str]:
@@ -309,9 +406,10 @@ def candidate_phrases(text: str, code: bool = False, limit: int = MAX_CANDIDATES
     source = text
     if code:  # markup, doctest examples and __future__ switches are no prose, and their identifiers no topic
         source = DOCSTRING_MARKUP.sub(_keep_quotes, DOCTEST_EXAMPLE.sub(" . ", FUTURE_IMPORT.sub(" ", text)))
-    parts = COMMENT_OR_DOCSTRING.findall(source) if code else [text]
+    parts = code_prose(source) if code else [text]
     prose = [NOT_PROSE.sub(" ", MATH.sub(" . ", part)) for part in parts]
-    runs = [run for part in prose for clause in CLAUSE_BREAK.split(part) for run in _runs(_words(clause), STOPWORDS)]
+    runs = [run for part in prose for tokens, tags in _tagged_clauses(part)
+            for run in _runs(_words(tokens), STOPWORDS, tags)]
     if code:
         runs += _identifier_runs(source)
         if not runs:  # doctests only: the functions they call are what the chunk is about
@@ -363,10 +461,11 @@ class OfflineEngine(LLMEngine):
     def identity(self) -> dict:
         return {"engine": self.name, "embedding_model": self.embedder.model_name, "mmr_diversity": MMR_DIVERSITY,
                 "max_candidates": MAX_CANDIDATES,
-                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 13}
+                "candidate_min": [CANDIDATE_MIN_SIMILARITY, CANDIDATE_MIN_Z], "version": 15}
 
     def setup(self) -> None:
         self.embedder.setup()
+        _pos_tagger()  # its weights load once per process (about 2 s)
 
     def generate(self, requests: list[LLMRequest]) -> list[LLMResult]:
         tags = [r for r in requests if r.context.get("task") == "tag"]
