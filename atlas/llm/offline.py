@@ -144,8 +144,8 @@ FORMULA_OBJECTS = {
 }
 LATEX_COMMAND = re.compile(r"\\(?:begin\{([a-z]+)\*?\}|([A-Za-z]+))")
 FACTORIAL = re.compile(r"(?<=[\w)}])!")
-COMMENT_OR_DOCSTRING = re.compile(r'#[^\n]*|"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|//[^\n]*|/\*[\s\S]*?\*/')
 TRIPLE_QUOTED = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'')
+COMMENT_OR_DOCSTRING = re.compile(rf"#[^\n]*|{TRIPLE_QUOTED.pattern}|//[^\n]*|/\*[\s\S]*?\*/")
 DEFINITION = re.compile(r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+\w", re.MULTILINE)  # code, never a docstring
 # Code inside the prose of code: a docstring's doctest lines (">>> from string import ascii_letters") and doctest
 # directives ("# doctest: +ELLIPSIS").
