@@ -436,7 +436,8 @@ def format_per_source(summary: dict) -> list[str]:
     titles = " | ".join(f"{title:^{len(h)}}" for (title, _), h in zip(segments, heads)).rstrip()
     lines = [f"per labelled source, by document ({summary.get('label_field', 'label')!r} label; "
              f"embeddings: {summary.get('embeddings', '-')}; k-means: the mean of {KMEANS_SEEDS} seeded runs, sd "
-             "their spread; AMI: mutual information corrected for chance):",
+             "their spread; the concepts are one library, and a library clustered with another library.seed moves "
+             "its ratios too: read a ratio near 1 over several seeds; AMI: mutual information corrected for chance):",
              titles, head, "-" * len(head)]
     for source, e in table.items():
         name = source if len(source) <= 16 else source[:15] + "~"
