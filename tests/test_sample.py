@@ -37,7 +37,7 @@ def counters(run: RunDir, output: str) -> dict:
 def test_the_sample_is_the_same_documents_however_the_input_is_sharded(tmp_path, demo_records):
     # Each text cut to its first 2,000 characters: which documents are sampled does not depend on their length, and
     # whole, the standard-library modules among them were most of the chunks to tag, three times over.
-    docs = write_jsonl(tmp_path / "docs.jsonl", [dict(r, text=r["text"][:2000]) for r in demo_records[:40]])
+    docs = write_jsonl(tmp_path / "docs.jsonl", [dict(r, text=r["text"][:2_000]) for r in demo_records[:40]])
     runs = []
     for docs_per_shard in (3, 40):
         folder = tmp_path / f"shards-{docs_per_shard}"
