@@ -320,7 +320,7 @@ def in_noun_phrase(words: list[str], tags: list[str], i: int, run_open: bool) ->
     overruled; so is an adverb tag on a word the lexicon knows as no adverb. A word outside the lexicon stays a noun,
     as word_class has it: on names the tagger's weights slip ("Aeschylus" as a conjunction, "Ovid" as a symbol)."""
     tag = tags[i]
-    if tag.startswith(("NN", "JJ", "FW")) or tag == "VBG" or not lemmas(words[i]):
+    if tag.startswith(("NN", "JJ", "FW")) or tag == "VBG" or not in_lexicon(words[i]):
         return True
     if tag == "VBN" and not run_open and i + 1 < len(tags) and tags[i + 1].startswith(("NN", "JJ")):
         return True
