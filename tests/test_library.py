@@ -148,6 +148,8 @@ def test_offline_names_are_representative_distinctive_and_valid():
 
     assert not any(valid_name(t) for t in ("none", "nan", "console console", "42", "12.5 %", "the", "x"))
     assert all(valid_name(t) for t in ("python", "binary search", "world war ii"))
+    assert not any(valid_name(t) for t in ("jean françois de", "ahmed abu", "van de"))  # cut before the surname
+    assert all(valid_name(t) for t in ("de gaulle", "el salvador", "bin"))
     # tags 0-2 sit at the cluster's centre; tag 0 also lies close to another cluster, so tag 1 names it
     vectors = np.array([[1.0, 0.2, 0.0], [1.0, 0.0, 0.1], [0.8, 0.0, 0.6], [0.0, 1.0, 0.0]])
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -175,6 +177,12 @@ def test_offline_names_are_representative_distinctive_and_valid():
             'bool, T]]: """Iterate and generate a tuple with a flag for first and last value.')
     assert example_sentence([code, "Every value has an identity and a type."], ["value"]) == (
         "Every value has an identity and a type.")  # a line of code is no example
+    # a headline is not glued to the sentence after it; question-answer lines, quotes and titles are no statements
+    news = ("Tesla wins patent fight\n\nTesla patented the induction motor in 1888.\n\n"
+            "Q: Who patented the motor?\nA: Tesla")
+    assert example_sentence([news], ["tesla", "motor"]) == "Tesla patented the induction motor in 1888."
+    assert example_sentence(["Re: Tesla motor question\n\n> Tesla built the motor first.\nWho built the motor?"],
+                            ["tesla", "motor"]) is None
     description = offline_description("apollo program", ["apollo program", "moon landing", "nasa"], "The Apollo…")
     assert description == 'Apollo program: moon landing, nasa. As in "The Apollo…".'
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 
+import blingfire
 import numpy as np
 
 from atlas.config import PROJECT_ROOT
@@ -29,7 +30,10 @@ ANSWER_SCHEMA = {
                    "description": {"type": "string", "minLength": 10, "maxLength": 300}},
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
-SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
+PARAGRAPH_BREAK = re.compile(r"\n\s*\n")  # a title or a headline is a paragraph of its own
+# A line that is not prose: a question-answer pair's ("Q:", "A:"), a header's ("Re:", "Subject:") or a quote's (">")
+NOT_PROSE_LINE = re.compile(r"\s*(?:>|(?:[A-Za-z]{1,2}|subject|from|summary|keywords|organization|newsgroups)\s*:)",
+                            re.IGNORECASE)
 # e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code (backticks,
 # snake_case names, brackets, arrows, comparisons, docstring quotes) and markup
 NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w|\w>|>\w|\w_\w|[\[\]{}]|->|==|'''|\"\"\"")
@@ -38,12 +42,17 @@ NOT_AN_EXAMPLE = re.compile(r"\S+@\S+|https?://|www\.|[A-Za-z0-9]/[A-Za-z]|`|<\w
 HEADING_BONUS = 0.1
 # Words that never make a name on their own (the tagger's stopwords cover the rest).
 NOT_A_NAME = frozenset("none nan null true false na n/a the a an and or of to in is it this that other misc".split())
+# Particles of personal names: a name never ends on one ("jean françois de", "ahmed abu", "van de"); it may begin
+# with one ("de gaulle", "el salvador").
+NAME_PARTICLES = frozenset("de del della der den des di du da das dos van von zu la le al el bin ibn abu".split())
 
 
 def valid_name(tag: str) -> bool:
-    """A usable concept name: has a word of 3+ letters, no repeated word, not a number or a stopword."""
+    """A usable concept name: has a word of 3+ letters, no repeated word, not a number or a stopword, and does not
+    end on a name's particle."""
     words = tag.split()
     return (bool(words) and tag not in NOT_A_NAME and len(set(words)) == len(words)
+            and not (len(words) > 1 and words[-1] in NAME_PARTICLES)
             and any(len(w) >= 3 and w.isalpha() for w in words) and not re.fullmatch(r"[\d\s.,%$-]+", tag))
 
 
@@ -76,18 +85,33 @@ def prose(sentence: str) -> bool:
             and sum(c.isalpha() or c == " " for c in sentence) >= 0.85 * len(sentence))
 
 
+def statements(text: str) -> list[str]:
+    """The statements of a text's prose: its sentences (BlingFire's, as the chunker splits) that end with "." or "!".
+
+    Paragraphs end at a blank line, so a title or a headline is not glued to the sentence after it ("Nikola Tesla
+    Tesla exhibited ..."); a hard-wrapped paragraph's lines are joined. Lines that are not prose (``NOT_PROSE_LINE``:
+    a question or answer of a Q/A pair, a message header, a quoted line) are left out, and so are titles, questions
+    and a sentence the chunk cuts off, which do not end as a statement does."""
+    found = []
+    for paragraph in PARAGRAPH_BREAK.split(text):
+        lines = [line for line in paragraph.splitlines() if not NOT_PROSE_LINE.match(line)]
+        joined = " ".join(" ".join(lines).split())
+        if joined:
+            found += [s for s in blingfire.text_to_sentences(joined).split("\n") if s.endswith((".", "!"))]
+    return found
+
+
 def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> str | None:
-    """The sentence of the representative chunks ``texts`` that holds the most of ``words`` (the concept's tags,
-    matched as whole words, in the singular or plural), trimmed to ``limit``; None when no sentence holds any (a
-    sentence about something else, a signature or a quoted header, says nothing about the concept). Sentences with
-    an e-mail address, a URL or path, code in backticks or markup, or that are not prose (``prose``: this also
-    rules out a quoted line or ASCII art) are never chosen."""
+    """The statement of the representative chunks ``texts`` (``statements``) that holds the most of ``words`` (the
+    concept's tags, matched as whole words, in the singular or plural), trimmed to ``limit``; None when no statement
+    holds any (a sentence about something else, a signature or a quoted header, says nothing about the concept).
+    Sentences with an e-mail address, a URL or path, code in backticks or markup, or that are not prose (``prose``:
+    this also rules out ASCII art) are never chosen."""
     # tag heads are singular: "prime number" also finds "prime numbers"
     patterns = [re.compile(rf"\b{re.escape(w)}(?:s|es)?\b") for w in dict.fromkeys(words) if w]
     best, best_hits = None, 0
     for text in texts:
-        for sentence in SENTENCE.findall(" ".join(text.split())):
-            sentence = sentence.strip()
+        for sentence in statements(text):
             if len(sentence) <= 20 or NOT_AN_EXAMPLE.search(sentence) or not prose(sentence):
                 continue
             lowered = sentence.lower()

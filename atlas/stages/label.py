@@ -42,7 +42,7 @@ from atlas.models.labeler import (
     valid_name,
 )
 
-LABEL_VERSION = 7
+LABEL_VERSION = 8  # 8: examples are statements of prose paragraphs; no name ends on a particle
 EVIDENCE_KEPT = 20
 EXAMPLES = 3  # representative chunks per cluster
 LABEL_SCHEMA = pa.schema(
