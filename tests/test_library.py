@@ -183,6 +183,10 @@ def test_offline_names_are_representative_distinctive_and_valid():
     assert example_sentence([news], ["tesla", "motor"]) == "Tesla patented the induction motor in 1888."
     assert example_sentence(["Re: Tesla motor question\n\n> Tesla built the motor first.\nWho built the motor?"],
                             ["tesla", "motor"]) is None
+    # a quote ends a run of prose lines, and a heading in capitals is no statement
+    quoted = ("He wrote that\n|> Tesla built the motor first\n|> and sold it.\n"
+              "TESLA SOLD THE MOTOR.\nWestinghouse bought it.")
+    assert example_sentence([quoted], ["tesla", "motor", "westinghouse"]) == "Westinghouse bought it."
     description = offline_description("apollo program", ["apollo program", "moon landing", "nasa"], "The Apollo…")
     assert description == 'Apollo program: moon landing, nasa. As in "The Apollo…".'
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import blingfire
 import numpy as np
@@ -30,9 +31,9 @@ ANSWER_SCHEMA = {
                    "description": {"type": "string", "minLength": 10, "maxLength": 300}},
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
-PARAGRAPH_BREAK = re.compile(r"\n\s*\n")  # a title or a headline is a paragraph of its own
-# A line that is not prose: a question-answer pair's ("Q:", "A:"), a header's ("Re:", "Subject:") or a quote's (">")
-NOT_PROSE_LINE = re.compile(r"\s*(?:>|(?:[A-Za-z]{1,2}|subject|from|summary|keywords|organization|newsgroups)\s*:)",
+# A line that is not prose: a question-answer pair's ("Q:", "A:"), a header's ("Re:", "Subject:") or a quote's (">",
+# "|>")
+NOT_PROSE_LINE = re.compile(r"\s*(?:[>|]|(?:[A-Za-z]{1,2}|subject|from|summary|keywords|organization|newsgroups)\s*:)",
                             re.IGNORECASE)
 # e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code (backticks,
 # snake_case names, brackets, arrows, comparisons, docstring quotes) and markup
@@ -78,27 +79,34 @@ def offline_name(tags: list[str], counts: np.ndarray, vectors: np.ndarray, other
 
 
 def prose(sentence: str) -> bool:
-    """Begins with a letter, a digit, a quote or a parenthesis and is mostly letters and spaces, as a sentence of
-    prose is; a line of code or a formula is not (its brackets, operators and underscores), nor a quoted line or
-    ASCII art ("\\ / Repent ...", a signature)."""
+    """Begins with a letter, a digit, a quote or a parenthesis, is mostly letters and spaces and mostly in lower
+    case, as a sentence of prose is; a line of code or a formula is not (its brackets, operators and underscores),
+    nor a quoted line, ASCII art ("\\ / Repent ...", a signature) or a heading in capitals."""
+    letters = sum(c.isalpha() for c in sentence)
     return (bool(sentence) and (sentence[0].isalnum() or sentence[0] in "\"'“‘(")
-            and sum(c.isalpha() or c == " " for c in sentence) >= 0.85 * len(sentence))
+            and letters + sentence.count(" ") >= 0.85 * len(sentence)
+            and sum(c.isupper() for c in sentence) <= 0.5 * letters)
+
+
+def prose_blocks(text: str) -> Iterator[str]:
+    """Runs of consecutive prose lines, each joined into one string: a blank line ends a run, so a title or a
+    headline is not glued to the sentence after it ("Nikola Tesla Tesla exhibited ..."), and so does a line that
+    is not prose (``NOT_PROSE_LINE``: a question or answer of a Q/A pair, a message header, a quoted line), which
+    is left out; a hard-wrapped paragraph's lines are joined."""
+    block: list[str] = []
+    for line in text.splitlines() + [""]:
+        if line.strip() and not NOT_PROSE_LINE.match(line):
+            block.append(line)
+        elif block:
+            yield " ".join(" ".join(block).split())
+            block = []
 
 
 def statements(text: str) -> list[str]:
-    """The statements of a text's prose: its sentences (BlingFire's, as the chunker splits) that end with "." or "!".
-
-    Paragraphs end at a blank line, so a title or a headline is not glued to the sentence after it ("Nikola Tesla
-    Tesla exhibited ..."); a hard-wrapped paragraph's lines are joined. Lines that are not prose (``NOT_PROSE_LINE``:
-    a question or answer of a Q/A pair, a message header, a quoted line) are left out, and so are titles, questions
-    and a sentence the chunk cuts off, which do not end as a statement does."""
-    found = []
-    for paragraph in PARAGRAPH_BREAK.split(text):
-        lines = [line for line in paragraph.splitlines() if not NOT_PROSE_LINE.match(line)]
-        joined = " ".join(" ".join(lines).split())
-        if joined:
-            found += [s for s in blingfire.text_to_sentences(joined).split("\n") if s.endswith((".", "!"))]
-    return found
+    """The statements of a text's prose (``prose_blocks``): its sentences (BlingFire's, as the chunker splits) that
+    end with "." or "!"; titles, questions and a sentence the chunk cuts off do not end as a statement does."""
+    return [s for block in prose_blocks(text) for s in blingfire.text_to_sentences(block).split("\n")
+            if s.endswith((".", "!"))]
 
 
 def example_sentence(texts: list[str], words: list[str], limit: int = 200) -> str | None:
