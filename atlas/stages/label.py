@@ -42,7 +42,7 @@ from atlas.models.labeler import (
     valid_name,
 )
 
-LABEL_VERSION = 8  # 8: examples are statements of prose paragraphs; no name ends on a particle
+LABEL_VERSION = 8  # 8: an example is a statement of prose (no title, Q/A line, quote or heading); no name ends on "de"
 EVIDENCE_KEPT = 20
 EXAMPLES = 3  # representative chunks per cluster
 LABEL_SCHEMA = pa.schema(
