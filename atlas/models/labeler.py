@@ -31,8 +31,7 @@ ANSWER_SCHEMA = {
                    "description": {"type": "string", "minLength": 10, "maxLength": 300}},
 }
 EXAMPLE_CHARS = 400  # of each representative chunk shown to the LLM labeler
-# A line that is not prose: a question-answer pair's ("Q:", "A:"), a header's ("Re:", "Subject:") or a quote's (">",
-# "|>")
+# A line that is not prose: a Q/A pair's ("Q:", "A:"), a message header's ("Re:", "Subject:") or a quote's (">", "|>")
 NOT_PROSE_LINE = re.compile(r"\s*(?:[>|]|(?:[A-Za-z]{1,2}|subject|from|summary|keywords|organization|newsgroups)\s*:)",
                             re.IGNORECASE)
 # e-mail addresses and message ids, URLs and paths (also a URL cut at its dots: "com/user/repo"), code (backticks,
