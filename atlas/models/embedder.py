@@ -131,6 +131,18 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path  # a local folder, or a name found in the Hugging Face cache
 
 
+def use_stage_threads() -> None:
+    """torch's CPU threads as the runner set them for this stage (``ATLAS_TORCH_THREADS``: cores / shards at once).
+
+    Called where a model loads and before a stage trains: a float sum's order follows the thread count, so a model
+    trained with the threads an earlier stage of the same process left would differ from one trained by a rerun of
+    its stage alone (on the dev corpus: the auxiliary labels of 490 of 2,064 held-out chunks)."""
+    if threads := os.environ.get("ATLAS_TORCH_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
 class Embedder:
     """L2-normalized float32 embeddings. Cheap to construct; the model loads in ``setup``."""
 
@@ -139,10 +151,7 @@ class Embedder:
         self.model = None
 
     def setup(self) -> Embedder:
-        if threads := os.environ.get("ATLAS_TORCH_THREADS"):  # set by the runner: cores / shards at once
-            import torch
-
-            torch.set_num_threads(int(threads))
+        use_stage_threads()
         if self.model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

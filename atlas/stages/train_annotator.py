@@ -53,7 +53,7 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.library import load_library
-from atlas.models.embedder import Embedder, encode_cached
+from atlas.models.embedder import Embedder, encode_cached, use_stage_threads
 from atlas.models.pu_metrics import (
     best_f1_threshold,
     calibration_report,
@@ -176,6 +176,7 @@ class TrainAnnotatorStage(Stage):
         concept_texts = [f"{c['name']}: {c['description']}" for c in concepts[:n_content]]
         concept_init = self._embed(run, concept_texts, stats, "concepts")
         embeddings = self._embed(run, texts, stats, "chunks")
+        use_stage_threads()  # the same model whether earlier stages ran in this process or not
         torch.manual_seed(a.seed)
         heads = AnnotatorHeads(embeddings.shape[1], n_content, {d: sizes[d] for d in offsets if d != "content"},
                                a.hidden, a.dropout, torch.from_numpy(concept_init))
