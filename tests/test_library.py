@@ -144,7 +144,7 @@ def test_small_pieces():
 
 
 def test_offline_names_are_representative_distinctive_and_valid():
-    from atlas.models.labeler import example_sentence, offline_description, offline_name, valid_name
+    from atlas.models.labeler import example_sentence, kinds_share, offline_description, offline_name, valid_name
 
     assert not any(valid_name(t) for t in ("none", "nan", "console console", "42", "12.5 %", "the", "x"))
     assert all(valid_name(t) for t in ("python", "binary search", "world war ii"))
@@ -163,6 +163,15 @@ def test_offline_names_are_representative_distinctive_and_valid():
     tags = ["shared", "central", "edge", "off"]
     assert offline_name(tags, counts, vectors, other, np.array([True, False, False, False])) == "shared"
     assert offline_name(tags, counts, vectors, other, np.array([False, False, True, False])) == "central"
+    # the class the other tags are kinds of names the cluster, though one member is nearer its centre
+    rivers = ["mississippi river", "kemena river", "monongahela river", "river"]
+    assert kinds_share(rivers, np.array([6.0, 3, 3, 3])).tolist() == [0, 0, 0, 0.8]
+    assert kinds_share(["polish", "polish commonwealth"], np.array([1.0, 1])).tolist() == [0, 0]  # not its head
+    vectors = np.array([[1.0, 0.0, 0.0], [0.9, 0.3, 0.0], [0.9, -0.3, 0.0], [0.9, 0.0, 0.3]])
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    assert offline_name(rivers, np.array([6, 3, 3, 3]), vectors, np.array([[-1.0, 0.0, 0.0]])) == "river"
+    assert offline_name(rivers[:3] + ["lake"], np.array([6, 3, 3, 3]), vectors,
+                        np.array([[-1.0, 0.0, 0.0]])) == "mississippi river"  # with no class among them, the centre
     texts = ["Ships sail. The Apollo program landed astronauts on the Moon in 1969. It ended.",
              "Mail moon@nasa.gov about the Apollo program and the Moon rocks."]
     best = example_sentence(texts, ["apollo program", "moon"])

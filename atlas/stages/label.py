@@ -42,7 +42,7 @@ from atlas.models.labeler import (
     valid_name,
 )
 
-LABEL_VERSION = 8  # 8: an example is a statement of prose (no title, Q/A line, quote or heading); no name ends on "de"
+LABEL_VERSION = 9  # 9: a tag that other tags name kinds of can name the cluster ("river"); 8: examples are statements
 EVIDENCE_KEPT = 20
 EXAMPLES = 3  # representative chunks per cluster
 LABEL_SCHEMA = pa.schema(
