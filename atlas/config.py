@@ -208,6 +208,9 @@ class LibraryConfig(Section):
     # pairwise cosines, (m - r) / (1 - r) >= this (clusters of filler words cover chunks with nothing in common).
     # 0: no such test.
     min_chunk_cohesion: float = Field(default=0.05, ge=0, lt=1)
+    # The same excess over the pairs of a cluster's chunks that share none of its tags must reach this: tags that
+    # only look alike ("strip", "nl wrap", "reel") each have cohesive chunks, but not across them. 0: no such test.
+    min_cross_tag_cohesion: float = Field(default=0.035, ge=0, lt=1)
     # A tag inherits its cluster's concept only when its cosine to the cluster's centroid reaches this: the tags at a
     # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
     tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)

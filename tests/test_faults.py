@@ -271,7 +271,8 @@ def test_llm_endpoint_faults_at_30_percent_the_library_completes_and_accounts_fo
         # the fake model gives every chunk tags from a dozen words: none may be called generic or incoherent here
         config = load_config(write_config(tmp_path, docs, llm=llm,
                                           vocab={"max_chunk_share": 1.0, "min_context_specificity": 0},
-                                          library=SMALL["library"] | {"min_chunk_cohesion": 0},
+                                          library=SMALL["library"] | {"min_chunk_cohesion": 0,
+                                                                      "min_cross_tag_cohesion": 0},
                                           **{k: SMALL[k] for k in ("tag", "annotator")}))
         run_stages(config, ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library", "targets"],
                    log=lambda m: None)

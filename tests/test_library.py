@@ -16,7 +16,7 @@ from atlas.models.embedder import mean_pairwise_cosine
 from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
 from atlas.stages.cluster import choose_k
-from atlas.stages.coherence import cohesion_score, null_cohesion, strata
+from atlas.stages.coherence import cohesion_score, cross_tag_cohesion, null_cohesion, strata
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library"]
@@ -73,6 +73,9 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     for row in coherence.values():  # the chunk test: kept clusters cover chunks closer than random ones
         assert not row["kept"] or row["chunk_cohesion"] is None or row["chunk_cohesion"] >= 0.05
         assert ("chunks=" in row["reason"]) == (row["chunk_cohesion"] is not None and row["chunk_cohesion"] < 0.05)
+        cross = row["cross_tag_cohesion"]  # and so do their chunks of different tags
+        assert not row["kept"] or cross is None or cross >= 0.035
+        assert ("across tags=" in row["reason"]) == (cross is not None and cross < 0.035)
     clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").to_pydict()
     similarity = dict(zip(clusters["tag_norm"], clusters["similarity"]))
     floor = LibraryConfig().tag_min_similarity  # a tag at its cluster's edge inherits no concept
@@ -94,7 +97,7 @@ def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
     with FaultServer(mode="ok") as server:
         sections = openai_sections(server)
         library = {"k": 10, "core_min": 1, "random_min": 1, "edge_min": 1,  # whatever the fake judge says
-                   "min_chunk_cohesion": 0}
+                   "min_chunk_cohesion": 0, "min_cross_tag_cohesion": 0}
         annotator = {"epochs": 2, "judge_sample": 3}
         # the fake model tags every chunk with words of the prompt, which the context test would call generic
         config = load_config(write_config(tmp_path, labeled_docs, **sections, library=library, annotator=annotator,
@@ -139,6 +142,12 @@ def test_small_pieces():
     sets = strata(members, np.linspace(1, 0, 30), 10, np.random.default_rng(0))
     assert list(sets["core"]) == list(range(10)) and list(sets["edge"]) == list(range(20, 30))
     assert len(set(sets["random"])) == 10
+    # across tags: tags that only look alike ("strip": wrap, reel) each have their own cohesive chunks
+    chunks = np.repeat(np.eye(3), 2, axis=0)  # two chunks on each of three unrelated directions
+    assert cross_tag_cohesion(chunks, [("strip",), ("strip",), ("wrap",), ("wrap",), ("reel",), ("reel",)], 0.0) == 0
+    assert cross_tag_cohesion(chunks, [("river",), ("river",), ("lake", "river"), ("pond",), ("x",), ("x",)],
+                              0.5) == pytest.approx((1 / 11 - 0.5) / 0.5)  # pairs sharing a tag are left out
+    assert cross_tag_cohesion(chunks, [("strip",)] * 6, 0.0) is None  # one tag: nothing across tags
     assert make_unique(["python", "python", "python"], [["python", "snake"], ["python", "snake"], []]) == [
         "python", "python (snake)", "python 2"]
 
