@@ -251,11 +251,16 @@ def mean_pairwise_cosine(vectors: np.ndarray) -> float:
     return float((total @ total - (vectors * vectors).sum()) / (n * (n - 1)))
 
 
-def excess_cohesion(vectors: np.ndarray, baseline: float) -> float:
-    """How far unit ``vectors`` are from random ones (mean pairwise cosine ``baseline``) towards identical ones:
-    (m - r) / (1 - r), m their mean pairwise cosine; 0 for random, 1 for identical."""
+def excess_over(mean_cosine: float, baseline: float) -> float:
+    """How far a mean cosine is from random pairs' (``baseline``) towards identical ones: (m - r) / (1 - r); 0 for
+    random, 1 for identical."""
     r = min(baseline, 1 - 1e-6)
-    return (mean_pairwise_cosine(vectors) - r) / (1 - r)
+    return (mean_cosine - r) / (1 - r)
+
+
+def excess_cohesion(vectors: np.ndarray, baseline: float) -> float:
+    """``excess_over`` of the mean pairwise cosine of unit ``vectors``."""
+    return excess_over(mean_pairwise_cosine(vectors), baseline)
 
 
 EMBED_SLICE_BATCHES = 16  # encoder batches of chunk texts read and embedded at a time by embed_chunks

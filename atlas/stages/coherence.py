@@ -67,7 +67,7 @@ from atlas.io.outofcore import (
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import LLMRequest, make_engine, setup_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.embedder import Embedder, embed_chunks, excess_cohesion, mean_pairwise_cosine
+from atlas.models.embedder import Embedder, embed_chunks, excess_cohesion, excess_over, mean_pairwise_cosine
 
 COHERENCE_VERSION = 3  # 3: the cross-tag test
 NULL_SETS = 200  # random tag sets per set size: the offline null
@@ -113,8 +113,8 @@ def strata(members: np.ndarray, similarity: np.ndarray, size: int, rng: np.rando
 
 
 def cross_tag_cohesion(vectors: np.ndarray, tags: list[tuple[str, ...]], baseline: float) -> float | None:
-    """``excess_cohesion`` over the pairs of chunks that share none of the cluster's tags (``tags``: each chunk's);
-    None when no pair does (one tag: the chunk test covers it)."""
+    """The excess over random chunks (``excess_over``) of the mean cosine of the pairs of chunks that share none of
+    the cluster's tags (``tags``: each chunk's); None when no pair does (one tag: the chunk test covers it)."""
     column = {tag: j for j, tag in enumerate(sorted({tag for chunk_tags in tags for tag in chunk_tags}))}
     has = np.zeros((len(tags), len(column)), dtype=np.float32)
     for i, chunk_tags in enumerate(tags):
@@ -122,8 +122,7 @@ def cross_tag_cohesion(vectors: np.ndarray, tags: list[tuple[str, ...]], baselin
     disjoint = (has @ has.T) == 0  # a chunk shares its own tags: the diagonal is never counted
     if not disjoint.any():
         return None
-    r = min(baseline, 1 - 1e-6)
-    return float(((vectors @ vectors.T)[disjoint].mean() - r) / (1 - r))
+    return float(excess_over((vectors @ vectors.T)[disjoint].mean(), baseline))
 
 
 def sample_positions(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -188,13 +187,13 @@ class CoherenceStage(Stage):
         rows, stats = [], Stats({"clusters_in": len(members_of)})
         for cluster, members in members_of.items():
             core, rand, edge = (scores.get((cluster, s)) for s in STRATA)
+            ratio, cross = cohesion.get(cluster, (None, None))  # None: not measured, or a cluster of one chunk
             if None in (core, rand, edge):
                 kept, reason = False, "judge_failed"
             else:
                 failed = [f"{s}={v}<{m}" for s, v, m in zip(STRATA, (core, rand, edge),
                                                              (c.core_min, c.random_min, c.edge_min)) if v < m]
-                ratio, cross = cohesion.get(cluster, (None, None))
-                if ratio is not None and ratio < c.min_chunk_cohesion:  # None: a cluster of one chunk
+                if ratio is not None and ratio < c.min_chunk_cohesion:
                     failed.append(f"chunks={ratio:.3f}<{c.min_chunk_cohesion}")
                 if cross is not None and cross < c.min_cross_tag_cohesion:  # None: no two chunks of other tags
                     failed.append(f"across tags={cross:.3f}<{c.min_cross_tag_cohesion}")
