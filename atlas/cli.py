@@ -522,7 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluate an artifact against ground truth: `atlas eval library RUN`",
                        description="Per labelled source (data_src), by document: linear probes on concept vectors "
                                    "vs raw embeddings, and homogeneity / NMI of each document's top concept vs a "
-                                   "k-means baseline with as many clusters; then the summary as JSON.")
+                                   "k-means baseline with as many clusters, the homogeneity ratio with its 95% "
+                                   "interval over a bootstrap of the documents; then the summary as JSON.")
     p.add_argument("what", choices=["library", "annotator"])
     p.add_argument("run_dir")
     p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")

@@ -9,9 +9,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from scipy import sparse
+from sklearn.metrics import homogeneity_score
 
 from atlas.cli import main
-from atlas.tools.evaluate import KMEANS_SEEDS, _probes, format_per_source, per_source_table
+from atlas.tools.evaluate import (
+    KMEANS_SEEDS,
+    _bootstrap_homogeneity,
+    _probes,
+    _ratio_interval,
+    format_per_source,
+    per_source_table,
+)
 
 
 def synthetic(n_docs=120, n_labels=4, dim=16, source="news", seed=0, chunks_per_doc=(1, 4), separated=False):
@@ -147,6 +155,33 @@ def test_tag_shares_probe_beside_the_concepts():
         "probe"]
 
 
+def test_bootstrap_homogeneity_is_scikit_learns_on_the_resampled_documents():
+    rng = np.random.default_rng(3)
+    truth = rng.integers(0, 4, 300)
+    groups = np.where(rng.random(300) < 0.6, truth * 10 + rng.integers(0, 3, 300), rng.integers(0, 80, 300))
+    weights = rng.multinomial(300, np.full(300, 1 / 300), size=4).astype(np.float64)
+    got = _bootstrap_homogeneity(truth, groups, np.vstack([np.ones(300), weights]))
+    resampled = [np.repeat(np.arange(300), w.astype(int)) for w in weights]
+    expected = [homogeneity_score(truth, groups)] + [homogeneity_score(truth[i], groups[i]) for i in resampled]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_ratio_interval_holds_1_for_a_tie_and_not_for_a_clear_gap():
+    rng = np.random.default_rng(4)
+    truth = rng.integers(0, 4, 400)
+    noisy = [np.where(rng.random(400) < 0.5, truth, rng.integers(0, 4, 400)) * 5 + rng.integers(0, 5, 400)
+             for _ in range(6)]
+    tie = _ratio_interval(truth, noisy[0], noisy[1:], seed=0)
+    measured = homogeneity_score(truth, noisy[0]) / np.mean([homogeneity_score(truth, b) for b in noisy[1:]])
+    assert tie["low"] < 1 < tie["high"] and tie["draws"] == 1000
+    assert (tie["low"] + tie["high"]) / 2 == pytest.approx(measured)  # centred on the measured ratio
+    assert tie["high"] - tie["low"] == pytest.approx(2 * 1.959964 * tie["sd"], rel=1e-5) and 0 < tie["sd"] < 0.1
+    better = _ratio_interval(truth, truth * 5 + rng.integers(0, 5, 400), noisy[1:], seed=0)
+    assert better["low"] > 1
+    worse = _ratio_interval(truth, rng.integers(0, 20, 400), noisy[1:], seed=0)
+    assert worse["high"] < 1
+
+
 def test_kmeans_has_as_many_clusters_as_distinct_top_concepts():
     doc_ids, embeddings, labels, sources = synthetic(n_docs=60, chunks_per_doc=(1, 2))  # one chunk per document
     docs = sorted(set(doc_ids))
@@ -216,6 +251,9 @@ def test_table_lines_have_one_row_per_source_and_no_braces():
     assert any(line.startswith("news ") and " 120 " in line for line in lines)
     assert any(line.startswith("gsm8k ") and "skipped: no document has a label" in line for line in lines)
     assert lines[-1].startswith("overall (1 sources): homogeneity concept 1.000 vs k-means")
+    assert lines[-1].endswith("below it beyond the sample's noise (interval under 1): none")
+    interval = result["per_source"]["news"]["homogeneity_ratio_interval"]
+    assert interval["low"] > 1 and f"{interval['low']:.2f}-{interval['high']:.2f}" in text
     unlabelled = per_source_table(doc_ids, embeddings, embeddings, [None] * len(doc_ids), sources)
     assert format_per_source(unlabelled) == []  # the "no label" message says it all
 
