@@ -14,9 +14,9 @@ from sklearn.metrics import homogeneity_score
 from atlas.cli import main
 from atlas.tools.evaluate import (
     KMEANS_SEEDS,
-    _bootstrap_homogeneity,
     _probes,
     _ratio_interval,
+    _weighted_homogeneity,
     format_per_source,
     per_source_table,
 )
@@ -155,12 +155,12 @@ def test_tag_shares_probe_beside_the_concepts():
         "probe"]
 
 
-def test_bootstrap_homogeneity_is_scikit_learns_on_the_resampled_documents():
+def test_weighted_homogeneity_is_scikit_learns_on_the_resampled_documents():
     rng = np.random.default_rng(3)
     truth = rng.integers(0, 4, 300)
     groups = np.where(rng.random(300) < 0.6, truth * 10 + rng.integers(0, 3, 300), rng.integers(0, 80, 300))
     weights = rng.multinomial(300, np.full(300, 1 / 300), size=4).astype(np.float64)
-    got = _bootstrap_homogeneity(truth, groups, np.vstack([np.ones(300), weights]))
+    got = _weighted_homogeneity(truth, groups, np.vstack([np.ones(300), weights]))
     resampled = [np.repeat(np.arange(300), w.astype(int)) for w in weights]
     expected = [homogeneity_score(truth, groups)] + [homogeneity_score(truth[i], groups[i]) for i in resampled]
     assert got == pytest.approx(expected, abs=1e-12)

@@ -383,7 +383,7 @@ def _kmeans_clusters(x: np.ndarray, k: int, seed: int, restarts: int) -> np.ndar
     return ids[:, 0].astype(np.int64)
 
 
-def _bootstrap_homogeneity(labels: np.ndarray, groups: np.ndarray, weights: np.ndarray, block: int = 64) -> np.ndarray:
+def _weighted_homogeneity(labels: np.ndarray, groups: np.ndarray, weights: np.ndarray, block: int = 64) -> np.ndarray:
     """[draws] homogeneity 1 - H(label | group) / H(label) of ``groups`` with document i counted ``weights[d, i]``
     times in draw d (a row of ones gives scikit-learn's homogeneity_score). ``labels``: integers 0..L-1. Counts are
     kept per (group, label) pair that occurs, ``block`` draws at a time: memory grows with the documents, not with
@@ -422,8 +422,8 @@ def _ratio_interval(truth: np.ndarray, ours: np.ndarray, baselines: list[np.ndar
     n = len(labels)
     resampled = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws)
     weights = np.vstack([np.ones(n), resampled]).astype(np.float64)  # row 0: the documents as they are
-    concept = _bootstrap_homogeneity(labels, ours, weights)
-    kmeans = np.mean([_bootstrap_homogeneity(labels, b, weights) for b in baselines], axis=0)
+    concept = _weighted_homogeneity(labels, ours, weights)
+    kmeans = np.mean([_weighted_homogeneity(labels, b, weights) for b in baselines], axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(kmeans > 0, concept / kmeans, np.nan)
     measured, draws_ratio = ratio[0], ratio[1:][np.isfinite(ratio[1:])]
