@@ -171,14 +171,18 @@ def test_ratio_interval_holds_1_for_a_tie_and_not_for_a_clear_gap():
     truth = rng.integers(0, 4, 400)
     noisy = [np.where(rng.random(400) < 0.5, truth, rng.integers(0, 4, 400)) * 5 + rng.integers(0, 5, 400)
              for _ in range(6)]
-    tie = _ratio_interval(truth, noisy[0], noisy[1:], seed=0)
-    measured = homogeneity_score(truth, noisy[0]) / np.mean([homogeneity_score(truth, b) for b in noisy[1:]])
+
+    def interval(ours):
+        measured = homogeneity_score(truth, ours) / np.mean([homogeneity_score(truth, b) for b in noisy[1:]])
+        return measured, _ratio_interval(truth, ours, noisy[1:], measured, seed=0)
+
+    measured, tie = interval(noisy[0])
     assert tie["low"] < 1 < tie["high"] and tie["draws"] == 1000
     assert (tie["low"] + tie["high"]) / 2 == pytest.approx(measured)  # centred on the measured ratio
     assert tie["high"] - tie["low"] == pytest.approx(2 * 1.959964 * tie["sd"], rel=1e-5) and 0 < tie["sd"] < 0.1
-    better = _ratio_interval(truth, truth * 5 + rng.integers(0, 5, 400), noisy[1:], seed=0)
+    _, better = interval(truth * 5 + rng.integers(0, 5, 400))
     assert better["low"] > 1
-    worse = _ratio_interval(truth, rng.integers(0, 20, 400), noisy[1:], seed=0)
+    _, worse = interval(rng.integers(0, 20, 400))
     assert worse["high"] < 1
 
 

@@ -256,14 +256,15 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
     theirs = {key: float(np.mean([r[key] for r in runs])) for key in runs[0]}
     spread = [r["homogeneity"] for r in runs]
     theirs |= {"homogeneity_seeds": spread, "homogeneity_sd": float(np.std(spread))}
-    extra = {"homogeneity_ratio_interval": _ratio_interval(truth, top, baselines, seed)}
+    ratio = _ratio(ours["homogeneity"], theirs["homogeneity"])
+    extra = {"homogeneity_ratio_interval": _ratio_interval(truth, top, baselines, ratio, seed)}
     if by_lift is not None:  # the lift alone: the rule before the representative choice, for comparison
         extra["top_concept_by_lift"] = {"k": len(np.unique(by_lift))} | _partition_scores(truth, by_lift, seed)
     return {"docs_evaluated": n, "chunks": len(rows), "majority_baseline": probe.pop("majority_baseline"),
             "probe": probe, **extra,
             "top_concept": {"docs_without_concepts": int((top < 0).sum())} | ours,
             "kmeans": {"k": k} | theirs,
-            "homogeneity_ratio": _ratio(ours["homogeneity"], theirs["homogeneity"])}
+            "homogeneity_ratio": ratio}
 
 
 def _representative_top(lift: np.ndarray, documents: np.ndarray, sums: np.ndarray,
@@ -410,28 +411,28 @@ def _weighted_homogeneity(labels: np.ndarray, groups: np.ndarray, weights: np.nd
     return np.concatenate(out)
 
 
-def _ratio_interval(truth: np.ndarray, ours: np.ndarray, baselines: list[np.ndarray], seed: int,
-                    draws: int = BOOTSTRAP_DRAWS, level: float = INTERVAL_LEVEL) -> dict:
-    """The homogeneity ratio's ``level`` interval: the ratio (ours / the mean of the k-means runs) plus or minus the
-    normal quantile times its standard deviation over a paired bootstrap of the documents (see BOOTSTRAP_DRAWS).
+def _ratio_interval(truth: np.ndarray, ours: np.ndarray, baselines: list[np.ndarray], ratio: float | None,
+                    seed: int, draws: int = BOOTSTRAP_DRAWS, level: float = INTERVAL_LEVEL) -> dict:
+    """The homogeneity ratio's ``level`` interval: ``ratio`` (ours / the mean of the k-means runs, as measured) plus
+    or minus the normal quantile times its standard deviation over a paired bootstrap of the documents (see
+    BOOTSTRAP_DRAWS).
 
     Not the draws' percentiles: a resampled set repeats documents, which makes small groups purer, k-means' evenly
     sized ones more than the concepts' (on the dev corpus the draws' mean ratio sits 0.01-0.02 below the ratio), so
     the bootstrap gives the spread and the measured ratio the centre."""
     _, labels = np.unique(truth, return_inverse=True)
     n = len(labels)
-    resampled = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws)
-    weights = np.vstack([np.ones(n), resampled]).astype(np.float64)  # row 0: the documents as they are
+    weights = np.random.default_rng(seed).multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
     concept = _weighted_homogeneity(labels, ours, weights)
     kmeans = np.mean([_weighted_homogeneity(labels, b, weights) for b in baselines], axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(kmeans > 0, concept / kmeans, np.nan)
-    measured, draws_ratio = ratio[0], ratio[1:][np.isfinite(ratio[1:])]
-    if not np.isfinite(measured) or len(draws_ratio) < 2:
+        resampled = np.where(kmeans > 0, concept / kmeans, np.nan)
+    resampled = resampled[np.isfinite(resampled)]
+    if ratio is None or len(resampled) < 2:
         return {"level": level, "draws": draws, "sd": None, "low": None, "high": None}
-    sd = float(np.std(draws_ratio))
+    sd = float(np.std(resampled))
     half = NormalDist().inv_cdf((1 + level) / 2) * sd
-    return {"level": level, "draws": draws, "sd": sd, "low": float(measured - half), "high": float(measured + half)}
+    return {"level": level, "draws": draws, "sd": sd, "low": ratio - half, "high": ratio + half}
 
 
 def _partition_scores(truth: np.ndarray, groups: np.ndarray, seed: int, shuffles: int = 5) -> dict:
@@ -471,8 +472,7 @@ def _overall(table: dict[str, dict]) -> dict:
                 e["top_concept"]["homogeneity"] >= e["kmeans"]["homogeneity"] for e in done.values()),
             # below k-means by more than the labelled sample's noise: the whole bootstrap interval under 1
             "sources_below_baseline_beyond_noise": sorted(
-                s for s, e in done.items() if (e.get("homogeneity_ratio_interval") or {}).get("high") is not None
-                and e["homogeneity_ratio_interval"]["high"] < 1),
+                s for s, e in done.items() if (e["homogeneity_ratio_interval"]["high"] or 1) < 1),
             # the same with chance corrected for: k-means' documents often fall in fewer groups than k, and fewer,
             # larger groups are less homogeneous by chance alone
             "all_sources_at_least_baseline_ami": bool(done) and all(
@@ -507,8 +507,8 @@ def format_per_source(summary: dict) -> list[str]:
              titles, head, "-" * len(head)]
 
     def interval(e: dict) -> str:
-        bounds = e.get("homogeneity_ratio_interval") or {}
-        if bounds.get("low") is None:
+        bounds = e["homogeneity_ratio_interval"]
+        if bounds["low"] is None:
             return f"{'-':>9}"
         return f"{bounds['low']:.2f}-{bounds['high']:.2f}".rjust(9)
 
@@ -524,7 +524,7 @@ def format_per_source(summary: dict) -> list[str]:
                      f"{num(e['homogeneity_ratio'], 6, 2)} {interval(e)} | "
                      f"{num(t['nmi'], 7)} {num(km['nmi'], 7)} | {num(t['ami'], 7)} {num(km['ami'], 7)}")
     o = summary["overall"]
-    below = ", ".join(o.get("sources_below_baseline_beyond_noise", [])) or "none"
+    below = ", ".join(o["sources_below_baseline_beyond_noise"]) or "none"
     if o["sources_evaluated"]:
         lines.append(f"overall ({len(o['sources_evaluated'])} sources): homogeneity concept "
                      f"{num(o['concept_homogeneity_mean'], 0)} vs k-means {num(o['kmeans_homogeneity_mean'], 0)}; "
