@@ -1,4 +1,5 @@
-"""benchmarks/run_all.py: one benchmark at a tiny size gives complete result rows; a missing input is skipped."""
+"""The benchmarks at tiny sizes: run_all.py gives complete result rows and skips a missing input; the LLM client,
+scale and concept-seed benchmarks run end to end."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"benchmark", "case", "atlas", "baseline", "unit", "ratio", "better", "baseline_name"}
@@ -79,3 +82,40 @@ def test_scale_benchmark_tiny(tmp_path):
     for r in rows:
         assert FIELDS <= set(r) and r["atlas"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
     assert "time growth" in proc.stdout and not list(tmp_path.glob("bench-scale-*"))  # the runs are removed
+
+
+@pytest.mark.slow
+def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path):
+    """bench_concept_seeds.py on the small trained run: the seed is a re-clustered copy with both eval reports, the
+    table and the rows hold its ratios, and a second call reuses the finished seed (one seed: each costs a
+    re-clustering and two evals)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    for part in sorted((run_copy / "chunks").glob("part-*.parquet")):  # one source of three labels (its documents'
+        table = pq.read_table(part)                                    # sources), so the evals have one to compare
+        i = table.schema.get_field_index("data_src")
+        pq.write_table(table.set_column(i, table.schema.field(i), pa.array(["merged"] * len(table))), part)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(trained[0].model_dump(mode="json") | {"run_dir": str(run_copy)}))
+    out, workdir = tmp_path / "seeds.json", tmp_path / "seeds"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_concept_seeds.py"), "--config", str(config),
+               "--run", str(run_copy), "--seeds", "1", "--workdir", str(workdir), "--json", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seed_run = workdir / "seed1"
+    assert json.loads((seed_run / "bench_seed.json").read_text()) == {"library_seed": 1, "label_field": "label"}
+    assert json.loads((seed_run / "manifest.json").read_text())["config"]["library"]["seed"] == 1
+    assert not (run_copy / "bench_seed.json").exists()  # the source run is only read
+    rows = json.loads(out.read_text())
+    assert sorted(r["case"] for r in rows) == ["annotator merged homogeneity", "annotator merged probe",
+                                              "library merged homogeneity", "library merged probe"]
+    for r in rows:
+        assert FIELDS <= set(r) and r["atlas"] > 0 and r["baseline"] == 1.0 and "seeds 1: min " in r["note"], r
+    assert "library    merged" in proc.stdout and "2 cells (sources x evals x seeds)" in proc.stdout
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "seed 1: evaluated before" in again.stdout and "$ atlas" not in again.stdout
+    assert json.loads(out.read_text()) == rows
