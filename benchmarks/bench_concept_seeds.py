@@ -43,11 +43,16 @@ REPORTS = {"library": "library_eval.json", "annotator": "annotator_probe.json"} 
 DONE = "bench_seed.json"  # written in the seed's run directory once both evals are done
 
 
+class CommandFailed(Exception):
+    pass
+
+
 def atlas(*args: str) -> None:
-    """Run the atlas CLI of this interpreter; its output streams to ours."""
-    command = [sys.executable, "-c", "from atlas.cli import main; main()", *args]
+    """Run the atlas CLI of this interpreter (its output streams to ours); CommandFailed if it exits non-zero."""
     print("$ atlas " + " ".join(args), flush=True)
-    subprocess.run(command, check=True)
+    code = subprocess.run([sys.executable, "-m", "atlas.cli", *args]).returncode
+    if code != 0:
+        raise CommandFailed(f"`atlas {' '.join(args)}` exited with {code}")
 
 
 def evaluated(seed_run: Path, seed: int, label_field: str) -> bool:
@@ -62,10 +67,13 @@ def run_seed(config: Path, run: Path, workdir: Path, seed: int, label_field: str
     if evaluated(seed_run, seed, label_field):
         print(f"seed {seed}: evaluated before ({seed_run})", flush=True)
         return seed_run
-    if not seed_run.is_dir():
+    if not seed_run.is_dir():  # copied under another name first, so a stopped copy is never taken for a run
         print(f"seed {seed}: copying {run} to {seed_run}", flush=True)
-        shutil.copytree(run, seed_run, ignore=lambda folder, names: [n for n in names if Path(folder) == run
-                                                                     and n in (*STALE_OUTPUTS, DONE)])
+        partial = seed_run.with_name(seed_run.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(run, partial, ignore=lambda folder, names: [n for n in names if Path(folder) == run
+                                                                    and n in (*STALE_OUTPUTS, DONE)])
+        partial.rename(seed_run)
     atlas("run", str(config), "--run-dir", str(seed_run), "--set", f"library.seed={seed}", "--force",
           "--stages", RECLUSTER_STAGES)
     for what in REPORTS:
@@ -134,7 +142,11 @@ def main() -> None:
         parser.error(f"--run {args.run}: not a run whose tags are done ({layout.TAG_VOCAB}/_SUCCESS is missing); "
                      f"run `atlas run {args.config}` first")
     seeds = [int(s) for s in args.seeds.split(",")]
-    per_seed = {s: read_reports(run_seed(args.config, args.run, args.workdir, s, args.label_field)) for s in seeds}
+    try:
+        per_seed = {s: read_reports(run_seed(args.config, args.run, args.workdir, s, args.label_field))
+                    for s in seeds}
+    except CommandFailed as e:
+        parser.exit(1, f"error: {e}; the seeds finished before it are kept: fix the cause and run the same command\n")
     summary = summarize(per_seed)
     print_table(seeds, summary)
     write_json(args.json, [

@@ -86,9 +86,9 @@ def test_scale_benchmark_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path):
-    """bench_concept_seeds.py on the small trained run: the seed is a re-clustered copy with both eval reports, the
-    table and the rows hold its ratios, and a second call reuses the finished seed (one seed: each costs a
-    re-clustering and two evals)."""
+    """bench_concept_seeds.py on the small trained run: a failed atlas command fails the bench and leaves the seed
+    unfinished; then the seed is a re-clustered copy with both eval reports, the table and the rows hold its ratios,
+    and a second call reuses the finished seed (one seed: each costs a re-clustering and two evals)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -102,7 +102,13 @@ def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path):
     out, workdir = tmp_path / "seeds.json", tmp_path / "seeds"
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_concept_seeds.py"), "--config", str(config),
                "--run", str(run_copy), "--seeds", "1", "--workdir", str(workdir), "--json", str(out)]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+    failed = subprocess.run([*command[:3], str(tmp_path / "absent.yaml"), *command[4:]], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)  # atlas run fails: so does the bench
+    assert failed.returncode == 1 and "exited with 2; the seeds finished before it are kept" in failed.stderr
+    assert (workdir / "seed1").is_dir() and not (workdir / "seed1" / "bench_seed.json").exists()
+
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)  # goes on from the copy
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seed_run = workdir / "seed1"
     assert json.loads((seed_run / "bench_seed.json").read_text()) == {"library_seed": 1, "label_field": "label"}
