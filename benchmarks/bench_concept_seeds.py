@@ -12,7 +12,7 @@ library makes them stale), then re-clustered and evaluated with the CLI:
     atlas eval library WORKDIR/seedS --label-field FIELD
     atlas eval annotator WORKDIR/seedS --label-field FIELD
 
-On the dev corpus a seed takes about 12 minutes on 2 CPU cores (7 to re-cluster, 5 to evaluate). A seed is done
+On the dev corpus a seed takes about 9 minutes on 2 quiet CPU cores (5-6 to re-cluster, 4 to evaluate). A seed is done
 when both evals are: WORKDIR/seedS/bench_seed.json says so, and that seed is not redone, so after a stop the same
 command goes on where it was.
 
