@@ -87,6 +87,11 @@ def read_reports(seed_run: Path) -> dict[str, dict]:
             for what, name in REPORTS.items()}
 
 
+def _beyond(bound: float | None, below: bool) -> bool:
+    """An interval bound on the far side of 1 (None: no interval, a source too small to bootstrap)."""
+    return bound is not None and (bound < 1 if below else bound > 1)
+
+
 def summarize(per_seed: dict[int, dict[str, dict]]) -> list[dict]:
     """One entry per (eval, source) with a homogeneity ratio at every seed: the ratios, the probe ratios, and the
     seeds below / above k-means beyond the noise."""
@@ -104,24 +109,26 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> list[dict]:
                 "eval": what, "source": source,
                 "ratios": [c["homogeneity_ratio"] for c in cells],
                 "probes": [c["probe"]["ratio"] for c in cells],
-                "below": sum(c["homogeneity_ratio_interval"]["high"] < 1 for c in cells),
-                "above": sum(c["homogeneity_ratio_interval"]["low"] > 1 for c in cells),
+                "below": sum(_beyond(c["homogeneity_ratio_interval"]["high"], below=True) for c in cells),
+                "above": sum(_beyond(c["homogeneity_ratio_interval"]["low"], below=False) for c in cells),
             })
     return out
 
 
 def print_table(seeds: list[int], summary: list[dict]) -> None:
     head = " ".join(f"{f's{s}':>6}" for s in seeds)
-    print(f"\nhomogeneity ratio, concepts / k-means at the same k (below / above: seeds whose 95% interval is "
-          f"wholly under / over 1)\n{'eval':10} {'source':12} {head} {'mean':>6} {'min':>6} below above")
-    for e in summary:
-        cells = " ".join(f"{r:6.3f}" for r in e["ratios"])
-        print(f"{e['eval']:10} {e['source']:12} {cells} {np.mean(e['ratios']):6.3f} {min(e['ratios']):6.3f} "
-              f"{e['below']:5} {e['above']:5}")
-    print(f"\nprobe ratio, concept vector / raw embedding\n{'eval':10} {'source':12} {head} {'mean':>6} {'min':>6}")
-    for e in summary:
-        cells = " ".join(f"{r:6.3f}" for r in e["probes"])
-        print(f"{e['eval']:10} {e['source']:12} {cells} {np.mean(e['probes']):6.3f} {min(e['probes']):6.3f}")
+
+    def block(title: str, key: str, counts: bool) -> None:
+        counts_head = " below above" if counts else ""
+        print(f"\n{title}\n{'eval':10} {'source':12} {head} {'mean':>6} {'min':>6}{counts_head}")
+        for e in summary:
+            cells = " ".join(f"{r:6.3f}" for r in e[key])
+            print(f"{e['eval']:10} {e['source']:12} {cells} {np.mean(e[key]):6.3f} {min(e[key]):6.3f}"
+                  + (f" {e['below']:5} {e['above']:5}" if counts else ""))
+
+    block("homogeneity ratio, concepts / k-means at the same k (below / above: seeds whose 95% interval is wholly "
+          "under / over 1)", "ratios", counts=True)
+    block("probe ratio, concept vector / raw embedding", "probes", counts=False)
     n = len(summary) * len(seeds)
     below, above = sum(e["below"] for e in summary), sum(e["above"] for e in summary)
     print(f"\n{n} cells (sources x evals x seeds): {below} below k-means beyond the noise, {above} above, "

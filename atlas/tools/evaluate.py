@@ -472,7 +472,8 @@ def _overall(table: dict[str, dict]) -> dict:
                 e["top_concept"]["homogeneity"] >= e["kmeans"]["homogeneity"] for e in done.values()),
             # below k-means by more than the labelled sample's noise: the whole bootstrap interval under 1
             "sources_below_baseline_beyond_noise": sorted(
-                s for s, e in done.items() if (e["homogeneity_ratio_interval"]["high"] or 1) < 1),
+                s for s, e in done.items()
+                if (high := e["homogeneity_ratio_interval"]["high"]) is not None and high < 1),
             # the same with chance corrected for: k-means' documents often fall in fewer groups than k, and fewer,
             # larger groups are less homogeneous by chance alone
             "all_sources_at_least_baseline_ami": bool(done) and all(
