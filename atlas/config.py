@@ -214,6 +214,11 @@ class LibraryConfig(Section):
     # A tag inherits its cluster's concept only when its cosine to the cluster's centroid reaches this: the tags at a
     # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
     tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)
+    # A tag also counts this much of a vote, in the library's reading of a chunk (atlas eval library), for its near
+    # concept: that of the nearest other kept cluster at tag_min_similarity or more (a tag between two topics, or
+    # one whose cluster was dropped). Read when the library is read, by no stage: the annotator's targets are the
+    # tags' own concepts. 0: own concepts only.
+    near_concept_weight: float = Field(default=0.5, ge=0, le=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
     # Offline names prefer a top tag that is a Library of Congress subject heading ("army" over "austrian infantry"
     # for a cluster of armies): "lcsh" needs them installed once (bash scripts/get_lcsh.sh, 6 MB); "none": no bonus.

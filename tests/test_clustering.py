@@ -12,7 +12,7 @@ pytest.importorskip("sklearn")
 
 from sklearn.metrics import adjusted_rand_score  # noqa: E402
 
-from atlas.models.kmeans import assign, cluster_quality, k_grid, kmeans  # noqa: E402
+from atlas.models.kmeans import assign, cluster_quality, k_grid, kmeans, nearest_centroids  # noqa: E402
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -91,6 +91,18 @@ def test_assign_in_batches_equals_one_batch(blobs):
     assert labels.dtype == np.int64 and similarity.dtype == np.float32 and labels.shape == (2000,)
     # The nearest centroid by brute force, in float64.
     np.testing.assert_array_equal(labels, np.argmax(x.astype(np.float64) @ centroids.T, axis=1))
+
+
+def test_nearest_centroids_in_order(blobs):
+    x, _ = blobs
+    centroids = kmeans(x, 8, seed=0)
+    ids, similarity = nearest_centroids(x, centroids, 3, batch_size=300)
+    exact = x.astype(np.float64) @ centroids.T
+    np.testing.assert_array_equal(ids, np.argsort(-exact, axis=1)[:, :3])  # the 3 nearest, nearest first
+    np.testing.assert_allclose(similarity, np.take_along_axis(exact, ids, axis=1), atol=1e-5)
+    np.testing.assert_array_equal(ids[:, 0], assign(x, centroids)[0])
+    more, _ = nearest_centroids(x[:5], centroids[:2], 3)  # more asked than there are: -1 after the last
+    assert (more[:, 2] == -1).all() and sorted(more[0, :2].tolist()) == [0, 1]
 
 
 def test_assign_of_no_points():

@@ -17,6 +17,7 @@ from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
 from atlas.stages.cluster import choose_k
 from atlas.stages.coherence import cohesion_score, cross_tag_cohesion, null_cohesion, strata
+from atlas.stages.library import NEAR_SEARCHED
 
 pytestmark = pytest.mark.slow  # loads the embedding model
 STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "library"]
@@ -82,12 +83,26 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     assert any(similarity[row["tag_norm"]] < floor for row in mapping if row["cluster_id"] in kept)
     for row in mapping:
         assert (row["concept_id"] is None) == (row["cluster_id"] not in kept or similarity[row["tag_norm"]] < floor)
+    # a tag's near concept: that of its nearest kept cluster of another concept, at the floor or above (numpy here)
+    vocab = pq.read_table(run.root / "tag_vocab" / "part-00000.parquet", columns=["tag_norm"]).column(0).to_pylist()
+    assert vocab == [row["tag_norm"] for row in mapping]
+    concept_of_cluster = {m: c["concept_id"] for c in concepts for m in c["merged_from"]}
+    kept_ids = sorted(concept_of_cluster)
+    similarity_to_kept = (np.load(run.root / "tag_vocab" / "_embeddings.npy").astype(np.float32)
+                          @ np.load(run.root / "clusters" / "_centroids.npy")[kept_ids].T)
+    for row, similarities in zip(mapping, similarity_to_kept):
+        nearest = [kept_ids[j] for j in np.argsort(-similarities, kind="stable")[:NEAR_SEARCHED]]
+        near = next((concept_of_cluster[c] for c, s in zip(nearest, np.sort(similarities)[::-1])
+                     if s >= floor and concept_of_cluster[c] != row["concept_id"]), None)
+        assert row["near_concept_id"] == near
+    assert any(row["near_concept_id"] is not None for row in mapping)
     assert (run.root / "report" / "k_sweep.png").exists() and (run.root / "report" / "concept_map.png").exists()
 
     capsys.readouterr()
     assert main(["eval", "library", str(run.root), "--label-field", "label", "--sample", "5"]) == 0
     summary = json.loads((run.root / "report" / "library_eval.json").read_text())
     assert summary["labels"] in (1, 2) and 0 < summary["purity"] <= 1 and 0 <= summary["nmi"] <= 1
+    assert summary["near_concept_weight"] == LibraryConfig().near_concept_weight > 0
     assert summary["relevance"]["is_proxy"] and summary["relevance"]["chunks_judged"] == 5
     assert main(["inspect", str(run.root), "library", "-n", "2"]) == 0
     assert "concept 0:" in capsys.readouterr().out

@@ -109,6 +109,13 @@ def test_only_the_librarys_fields_inherit_concepts(run_copy):
                        if row["field"] in fields and row["tag_norm"] in concept_of)
     votes = chunk_concept_votes(run)
     assert {(chunk, c): n for chunk, v in votes.items() for c, n in v.items()} == dict(expected)
+    # and a partial vote for each tag's near concept, in the library's reading only (not a target below)
+    near_of = {m["tag_norm"]: m["near_concept_id"] for m in mapping if m["near_concept_id"] is not None}
+    near = Counter((row["chunk_id"], near_of[row["tag_norm"]]) for part in run.parts("tags")
+                   for row in pq.read_table(part).to_pylist()
+                   if row["field"] in fields and row["tag_norm"] in near_of)
+    assert near and {(chunk, c): n for chunk, v in chunk_concept_votes(run, 0.25).items() for c, n in v.items()} == {
+        key: expected.get(key, 0) + 0.25 * near.get(key, 0) for key in expected | near}
     assert {chunk: list(v) for chunk, v in votes.items()} == before and max(expected.values()) > 1
     tag_part = run.parts("tags")[0]
     tags = pq.read_table(tag_part)

@@ -73,7 +73,9 @@ TABLE_COLUMNS = {  # where a column means something else in one table (key: as i
     layout.TOKENS: {"n_tokens": "text tokens (without the special tokens)"},
     "concepts": {"domain": "content, tone, demographic or alignment"},
     "tag_to_concept": {"concept_id": ("global concept id; null where its cluster was dropped or the tag is below "
-                                      "library.tag_min_similarity to its centroid")},
+                                      "library.tag_min_similarity to its centroid"),
+                       "near_concept_id": ("concept of its nearest other kept cluster at library.tag_min_similarity "
+                                           "or more (a partial vote, library.near_concept_weight); null: none")},
     "calibration": {"domain": "content, tone, demographic or alignment",
                     "heldout_positives": "held-out chunks inheriting it",
                     "observed_rate": "share of held-out chunks inheriting it (a lower bound)",

@@ -22,7 +22,8 @@ CONCEPT_SCHEMA = pa.schema(
      ("prevalence", pa.float64()), ("taxonomy_path", pa.string()), ("merged_from", pa.list_(pa.int64())),
      ("lifted_words", pa.list_(pa.string()))]
 )
-TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64())])
+TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64()),
+                                   ("near_concept_id", pa.int64())])
 
 
 def load_library(run: RunDir) -> tuple[list[dict], dict]:
@@ -57,12 +58,13 @@ def load_library(run: RunDir) -> tuple[list[dict], dict]:
 def check_tag_to_concept(run: RunDir, n_content: int) -> None:
     """``tag_to_concept.parquet`` maps tags to content concepts of this library only (or to null)."""
     path = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
-    mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA).to_pydict()
-    for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
-        if concept is not None and not 0 <= concept < n_content:
-            raise ArtifactError(f"{path}: row {row} (tag {tag!r}): concept_id {concept} is not a content concept of "
-                                f"the library (0..{n_content - 1}); rebuild the library (atlas run CONFIG --force "
-                                "--stages library)")
+    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
+    mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA, hint=rebuild).to_pydict()
+    for column in ("concept_id", "near_concept_id"):
+        for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping[column])):
+            if concept is not None and not 0 <= concept < n_content:
+                raise ArtifactError(f"{path}: row {row} (tag {tag!r}): {column} {concept} is not a content concept of "
+                                    f"the library (0..{n_content - 1}); {rebuild}")
 
 
 def inheriting_fields(library_config: dict) -> list[str] | None:
@@ -72,25 +74,34 @@ def inheriting_fields(library_config: dict) -> list[str] | None:
     return library_config.get("fields")
 
 
-def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
-    """Concept ids of every tagged chunk, most frequent (by its tags) first."""
-    return {chunk: list(votes) for chunk, votes in chunk_concept_votes(run).items()}
+def chunk_concepts(run: RunDir, near_weight: float = 0.0) -> dict[str, list[int]]:
+    """Concept ids of every tagged chunk, most voted first (see ``chunk_concept_votes``)."""
+    return {chunk: list(votes) for chunk, votes in chunk_concept_votes(run, near_weight).items()}
 
 
-def chunk_concept_votes(run: RunDir) -> dict[str, dict[int, int]]:
-    """Every tagged chunk's concepts with how many of its tags map to each, most frequent first (ties: smaller id)."""
-    mapping = pq.read_table(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").to_pydict()
-    concept_of_tag = {t: c for t, c in zip(mapping["tag_norm"], mapping["concept_id"]) if c is not None}
+def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict[int, float]]:
+    """Every tagged chunk's concepts with their votes, most first (ties: smaller id): one for each of its tags (of the
+    fields the library was built from) whose own concept it is, and ``near_weight`` for each whose near concept it
+    is (``library.near_concept_weight``; 0: own concepts only). A library written before near concepts has none."""
+    path = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
+    mapping = pq.read_table(path).to_pydict()
+    near_of_tag = mapping.get("near_concept_id") if near_weight > 0 else None
+    votes_of_tag: dict[str, list[tuple[int, float]]] = {}
+    for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
+        votes = [(concept, 1.0)] if concept is not None else []
+        if near_of_tag is not None and near_of_tag[row] is not None:
+            votes.append((near_of_tag[row], near_weight))
+        if votes:
+            votes_of_tag[tag] = votes
     fields = inheriting_fields(read_json(run.output_dir(layout.LIBRARY) / "config.json"))
     tags = read_tags(run, ["chunk_id", "field", "tag_norm"])
     if fields is not None:
         tags = tags.filter(pc.is_in(tags.column("field"), pa.array(fields, pa.string())))
-    votes: dict[str, Counter] = defaultdict(Counter)
+    chunk_votes: dict[str, Counter] = defaultdict(Counter)
     for row in tags.select(["chunk_id", "tag_norm"]).to_pylist():
-        concept = concept_of_tag.get(row["tag_norm"])
-        if concept is not None:
-            votes[row["chunk_id"]][concept] += 1
-    return {chunk: dict(sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))) for chunk, v in votes.items()}
+        for concept, weight in votes_of_tag.get(row["tag_norm"], ()):
+            chunk_votes[row["chunk_id"]][concept] += weight
+    return {chunk: dict(sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))) for chunk, v in chunk_votes.items()}
 
 
 # --- a library and annotator built by another run (annotate.annotator_from) ---------------------------------------

@@ -91,9 +91,6 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
 def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:
     """Assign every point to its nearest centroid by inner product (cosine similarity for normalized inputs).
 
-    The search is exact (``faiss.IndexFlatIP``) and runs in batches of ``batch_size`` rows, so the only extra memory
-    is one batch converted to float32 and its results, whatever the number of points.
-
     Args:
         x: Embeddings, shape (n, d), L2-normalized rows.
         centroids: Shape (k, d), L2-normalized rows, e.g. from :func:`kmeans`.
@@ -103,6 +100,17 @@ def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tup
         ``(labels, similarity)``: the index of the nearest centroid (int64, shape (n,)) and the inner product with
         it (float32, shape (n,)).
     """
+    labels, similarity = nearest_centroids(x, centroids, 1, batch_size)
+    return labels[:, 0], similarity[:, 0]
+
+
+def nearest_centroids(x: np.ndarray, centroids: np.ndarray, n: int,
+                      batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+    """Every point's ``n`` nearest centroids by inner product, nearest first: ids (int64) and similarities
+    (float32), both shape (points, n); id -1 (and the lowest float32) after the last of fewer than ``n`` centroids.
+
+    The search is exact (``faiss.IndexFlatIP``) and runs in batches of ``batch_size`` rows, so the only extra memory
+    is one batch converted to float32 and its results, whatever the number of points."""
     x = np.asarray(x)
     centroids = np.ascontiguousarray(centroids, dtype=np.float32)
     if x.ndim != 2 or centroids.ndim != 2 or x.shape[1] != centroids.shape[1]:
@@ -111,14 +119,12 @@ def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tup
         raise ValueError("no centroids to assign to")
     index = faiss.IndexFlatIP(centroids.shape[1])
     index.add(centroids)
-    labels = np.empty(x.shape[0], dtype=np.int64)
-    similarity = np.empty(x.shape[0], dtype=np.float32)
+    ids = np.empty((x.shape[0], n), dtype=np.int64)
+    similarity = np.empty((x.shape[0], n), dtype=np.float32)
     for start in range(0, x.shape[0], batch_size):
         batch = np.ascontiguousarray(x[start:start + batch_size], dtype=np.float32)
-        sims, ids = index.search(batch, 1)
-        labels[start:start + len(batch)] = ids[:, 0]
-        similarity[start:start + len(batch)] = sims[:, 0]
-    return labels, similarity
+        similarity[start:start + len(batch)], ids[start:start + len(batch)] = index.search(batch, n)
+    return ids, similarity
 
 
 def members_of_clusters(labels: np.ndarray) -> dict[int, np.ndarray]:

@@ -17,11 +17,19 @@ position in the list. Their ``chunk_count`` is null until the corpus is annotate
                                     evidence_tags, n_tags, chunk_count, prevalence, taxonomy_path,
                                     merged_from, lifted_words
     library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped, or the tag is
-                                    at its edge, below library.tag_min_similarity to its centroid)
+                                    at its edge, below library.tag_min_similarity to its centroid), near_concept_id
     library/config.json             k, the tag fields the concepts come from (``fields``: a chunk inherits
                                     concepts through the tags of these fields only), thresholds, models,
                                     dedup passes, domain offsets, stage hashes
     report/concept_sizes.png, report/concept_map.png
+
+A tag's near concept (``near_concept_id``) is the concept of its nearest kept cluster whose concept is not the tag's
+own, at cosine >= ``library.tag_min_similarity`` to that cluster's centroid (searched among its 8 nearest kept
+clusters; null where none is that close). A tag often sits between two concepts ("embassy evacuation": embassy,
+evacuation; "british intelligence": espionage, british occupation), and a tag of a dropped cluster has no concept of
+its own; the library's reading of a chunk (``chunk_concept_votes``, which ``atlas eval library`` reads) gives the
+near concept ``library.near_concept_weight`` of a vote. The annotator's targets, ``chunk_count`` and the lifted words
+count own concepts only: a positive must be sure.
 
 Lifted words (paper 4.4, appendix D.1): lift(w, c) = P(w | c) / P(w) over the words of the chunks
 a concept covers, for words seen in at least ``library.lift_min_support`` of them. Which chunks each concept
@@ -45,17 +53,18 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.library import CONCEPT_SCHEMA, TAG_TO_CONCEPT_SCHEMA
 from atlas.io.outofcore import checked_parts, duckdb_session, record_batches, scratch, sql_list
-from atlas.io.tags import vocab_fields
+from atlas.io.tags import load_vocab, vocab_fields
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.llm.offline import singular_name
 from atlas.models.auxiliary import configured_domains, list_hashes
 from atlas.models.embedder import Embedder, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
-LIBRARY_VERSION = 4  # 4: config.json names the fields the concepts come from
+LIBRARY_VERSION = 5  # 4: config.json names the fields the concepts come from; 5: near_concept_id
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
+NEAR_SEARCHED = 8  # kept clusters searched for a tag's near concept (a concept can be merged from several)
 
 
 def word_analyzer():
@@ -98,6 +107,31 @@ def lifted_words(con, chunk_texts, min_support: int, spill: Path, top: int = LIF
             QUALIFY row_number() OVER (PARTITION BY concept ORDER BY lift DESC, hits DESC, word) <= $top)
         GROUP BY concept""", {"min_support": min_support, "n": n, "top": top}).fetchall()
     return dict(rows)
+
+
+def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], own: list[int | None], floor: float,
+                  batch_size: int = 65_536) -> list[int | None]:
+    """Each vocabulary tag's near concept: that of its nearest kept cluster (the centroids of ``clusters/``) whose
+    concept is not ``own[tag]``, at similarity >= ``floor``; None where no such cluster is among its
+    ``NEAR_SEARCHED`` nearest kept ones. Tags are searched a batch at a time (memory: a batch, not the vocabulary)."""
+    from atlas.models.kmeans import nearest_centroids  # faiss loads only when a library is built
+
+    kept = np.asarray(sorted(concept_of_cluster), dtype=np.int64)
+    if len(kept) == 0:
+        return [None] * len(own)
+    centroids = np.load(run.output_dir(layout.CLUSTERS) / "_centroids.npy", allow_pickle=False)[kept]
+    concept = np.asarray([concept_of_cluster[c] for c in kept.tolist()], dtype=np.int64)
+    own_concept = np.asarray([-1 if c is None else c for c in own], dtype=np.int64)
+    vectors = load_vocab(run, ["tag_norm"])[1]
+    near: list[int | None] = []
+    searched = min(NEAR_SEARCHED, len(kept))
+    for start in range(0, len(own_concept), batch_size):
+        ids, similarity = nearest_centroids(vectors[start:start + batch_size], centroids, searched)
+        candidates = concept[ids]  # [batch, searched], nearest first
+        other = (candidates != own_concept[start:start + len(ids), None]) & (similarity >= floor)
+        first = other.argmax(axis=1)
+        near += [int(candidates[row, col]) if other[row, col] else None for row, col in enumerate(first.tolist())]
+    return near
 
 
 class LibraryStage(Stage):
@@ -159,6 +193,7 @@ class LibraryStage(Stage):
         mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
                    "concept_id": [concept_of_cluster.get(cluster) if similarity >= floor else None
                                   for cluster, similarity in zip(clusters["cluster_id"], clusters["similarity"])]}
+        mapping["near_concept_id"] = near_concepts(run, concept_of_cluster, mapping["concept_id"], floor)
 
         folder = run.output_dir(self.output)
         atomic_write_parquet(folder / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPT_SCHEMA))
@@ -176,6 +211,7 @@ class LibraryStage(Stage):
         stats.inc("aux_labels", len(rows) - n_content)
         stats.inc("tags_mapped", sum(c is not None for c in mapping["concept_id"]))
         stats.inc("tags_unmapped", sum(c is None for c in mapping["concept_id"]))
+        stats.inc("tags_with_near_concept", sum(c is not None for c in mapping["near_concept_id"]))
         self._plot(run, rows[:n_content])
         return stats
 

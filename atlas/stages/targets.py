@@ -3,7 +3,8 @@
 1. **Inherited targets.** A tagged chunk inherits the concepts of its tags, through tag -> cluster
    -> concept (``library/tag_to_concept.parquet``), for the tags of the fields the library was built
    from (``fields`` in ``library/config.json``: the topic fields). These are positives only: a concept a chunk
-   did not inherit is *unlabeled*, not negative (the annotator is trained as positive-unlabeled).
+   did not inherit is *unlabeled*, not negative (the annotator is trained as positive-unlabeled). A tag's near
+   concept (``near_concept_id``, a partial vote in the library's reading) is not a positive: it is unlabeled.
 2. **Reservoir, long-tail enriched.** Going through the concepts from rarest to most common, up to
    ``annotator.min_per_concept`` chunks of each are taken first (``picked = "long_tail"``); the rest
    is a uniform fill up to ``annotator.reservoir_size`` (``"fill"``; None: every tagged chunk).

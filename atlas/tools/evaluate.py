@@ -17,11 +17,11 @@ Both commands read a ground-truth label from the chunks' metadata (``--label-fie
   k-means, and which sources are below it by more than the sample's noise (the whole interval under 1).
 
 ``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags,
-each once per tag that maps to it (``chunk_concept_votes``), normalized to sum 1; its top concept is chosen by the
-same rule as the annotator's (below), on the counts: distinctive (lift) and representative (nearest centroid). The
-same probe runs on the document's own tags (shares of the vocabulary's tags, ``tags_accuracy``): what the symbols
-the concepts come from carry. It also reports, at the chunk level, for each tagged chunk's main concept (the
-concept most of its tags map to):
+one vote per tag whose own concept it is and ``library.near_concept_weight`` per tag whose near concept it is
+(``chunk_concept_votes``), normalized to sum 1; its top concept is chosen by the same rule as the annotator's (below),
+on the counts: distinctive (lift) and representative (nearest centroid). The same probe runs on the document's own
+tags (shares of the vocabulary's tags, ``tags_accuracy``): what the symbols the concepts come from carry. It also
+reports, at the chunk level, for each tagged chunk's main concept (the concept with the most of its tags' votes):
 
 - purity: the share of chunks whose concept's most common label is their own label;
 - NMI: normalized mutual information between main concept and label (scikit-learn);
@@ -629,7 +629,8 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     run = RunDir(config.run_dir)
     rows, library_config = load_library(run)
     concepts = {r["concept_id"]: r for r in rows}
-    assigned = chunk_concept_votes(run)  # {chunk: {concept: how many of its tags map to it}}, most first
+    near_weight = config.library.near_concept_weight
+    assigned = chunk_concept_votes(run, near_weight)  # {chunk: {concept: its tags' votes for it}}, most first
     chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
     threshold = sample_threshold(run, config.tag.sample_fraction, config.tag.sample_max_docs)
     if threshold < 1:  # the library saw the tags of the sample only: evaluate it on those documents
@@ -640,6 +641,7 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     texts = {c: t for c, t in zip(chunks["chunk_id"], chunks["chunk_text"]) if c in assigned}
     labeled = sorted(c for c in assigned if c in labels)
     summary: dict = {"concepts": len(concepts), "chunks_with_concepts": len(assigned), "label_field": label_field,
+                     "near_concept_weight": near_weight,
                      "library_sample_chunks": len(chunks["chunk_id"])}
     if not labeled:  # no purity, NMI or counts that read as results: say why there are none
         summary["label_metrics"] = (no_labels(label_field, fields) if not labels else
@@ -672,7 +674,7 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
         return sparse.csr_matrix((np.asarray(v, dtype=np.float32), (r, c)), shape=(len(chunks["chunk_id"]), width))
 
     def concept_counts():
-        """[n_chunks, n_content]: how many of the chunk's tags map to each content concept."""
+        """[n_chunks, n_content]: the chunk's tags' votes for each content concept."""
         return indicator([(i, concept - offset, votes) for i, chunk_id in enumerate(chunks["chunk_id"])
                           for concept, votes in assigned.get(chunk_id, {}).items()
                           if offset <= concept < offset + size], size)
