@@ -13,8 +13,9 @@ library makes them stale), then re-clustered and evaluated with the CLI:
     atlas eval annotator WORKDIR/seedS --label-field FIELD
 
 On the dev corpus a seed takes about 9 minutes on 2 quiet CPU cores (5-6 to re-cluster, 4 to evaluate). A seed is done
-when both evals are: WORKDIR/seedS/bench_seed.json says so, and that seed is not redone, so after a stop the same
-command goes on where it was.
+when both evals are (WORKDIR/seedS/bench_seed.json says so) and its stages are those this config and this Atlas would
+compute; a done seed is not redone, so after a stop the same command goes on where it was, and after an upgrade or a
+change of the config it redoes the seeds it makes stale.
 
 Prints, per labelled source and eval (library: the concepts the tags inherit; annotator: its calibrated
 probabilities), the top-concept homogeneity ratio concepts / k-means at each seed, their mean and minimum, and how
@@ -55,16 +56,27 @@ def atlas(*args: str) -> None:
         raise CommandFailed(f"`atlas {' '.join(args)}` exited with {code}")
 
 
-def evaluated(seed_run: Path, seed: int, label_field: str) -> bool:
+def evaluated(config: Path, seed_run: Path, seed: int, label_field: str) -> bool:
     """Both evals of the library clustered with ``seed`` are done on ``label_field`` (a copied run's own reports are
-    not: they are the source run's)."""
+    not: they are the source run's), and its stages are what this config and this Atlas would compute: a seed
+    evaluated before a change of either (a new library version, another threshold) is redone."""
+    from atlas.config import load_config
+    from atlas.runner import RunConflict, StageFailed, check_run
+
     done = seed_run / DONE
-    return done.is_file() and json.loads(done.read_text()) == {"library_seed": seed, "label_field": label_field}
+    if not done.is_file() or json.loads(done.read_text()) != {"library_seed": seed, "label_field": label_field}:
+        return False
+    try:
+        checked = check_run(load_config(config, [f"library.seed={seed}"], run_dir=seed_run),
+                            RECLUSTER_STAGES.split(","), plan_only=True)
+    except (RunConflict, StageFailed):  # a stage of another identity (another config or version), or unfinished
+        return False
+    return all(stage.done for stage in checked)
 
 
 def run_seed(config: Path, run: Path, workdir: Path, seed: int, label_field: str) -> Path:
     seed_run = workdir / f"seed{seed}"
-    if evaluated(seed_run, seed, label_field):
+    if evaluated(config, seed_run, seed, label_field):
         print(f"seed {seed}: evaluated before ({seed_run})", flush=True)
         return seed_run
     if not seed_run.is_dir():  # copied under another name first, so a stopped copy is never taken for a run

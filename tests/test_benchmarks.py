@@ -85,10 +85,11 @@ def test_scale_benchmark_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path):
+def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path, monkeypatch):
     """bench_concept_seeds.py on the small trained run: a failed atlas command fails the bench and leaves the seed
     unfinished; then the seed is a re-clustered copy with both eval reports, the table and the rows hold its ratios,
-    and a second call reuses the finished seed (one seed: each costs a re-clustering and two evals)."""
+    a second call reuses the finished seed, and another config makes it stale (one seed: each costs a re-clustering
+    and two evals)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -125,3 +126,12 @@ def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "seed 1: evaluated before" in again.stdout and "$ atlas" not in again.stdout
     assert json.loads(out.read_text()) == rows
+    # a config (or an Atlas) that would compute the library otherwise makes the finished seed stale: it is redone
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from bench_concept_seeds import evaluated
+
+    changed = tmp_path / "changed.yaml"
+    settings = yaml.safe_load(config.read_text())
+    settings["library"]["lift_min_support"] += 1
+    changed.write_text(yaml.safe_dump(settings))
+    assert evaluated(config, seed_run, 1, "label") and not evaluated(changed, seed_run, 1, "label")
