@@ -14,8 +14,9 @@ library makes them stale), then re-clustered and evaluated with the CLI:
 
 On the dev corpus a seed takes about 9 minutes on 2 quiet CPU cores (5-6 to re-cluster, 4 to evaluate). A seed is done
 when both evals are (WORKDIR/seedS/bench_seed.json says so) and its stages are those this config and this Atlas would
-compute; a done seed is not redone, so after a stop the same command goes on where it was, and after an upgrade or a
-change of the config it redoes the seeds it makes stale.
+compute from the source run's tags as they are now; a done seed is not redone, so after a stop the same command goes on
+where it was, and after an upgrade, a change of the config or new tags in the source run it redoes the seeds that
+makes stale (new tags: from a new copy).
 
 Prints, per labelled source and eval (library: the concepts the tags inherit; annotator: its calibrated
 probabilities), the top-concept homogeneity ratio concepts / k-means at each seed, their mean and minimum, and how
@@ -36,9 +37,11 @@ from pathlib import Path
 import numpy as np
 from _results import add_json_option, row, write_json
 
+from atlas.core.rundir import RunDir
 from atlas.io import layout
 
 RECLUSTER_STAGES = "cluster,coherence,label,library,targets,train_annotator"
+TAGS_STAGE = "vocab"  # the stage before them, copied from the source run
 STALE_OUTPUTS = (layout.ANNOTATED, layout.EMBEDDINGS, layout.TOKENS, layout.INDEX)  # downstream of the library
 REPORTS = {"library": "library_eval.json", "annotator": "annotator_probe.json"}  # written by `atlas eval`
 DONE = "bench_seed.json"  # written in the seed's run directory once both evals are done
@@ -56,15 +59,22 @@ def atlas(*args: str) -> None:
         raise CommandFailed(f"`atlas {' '.join(args)}` exited with {code}")
 
 
-def evaluated(config: Path, seed_run: Path, seed: int, label_field: str) -> bool:
+def tags_hash(run: Path) -> str | None:
+    """The hash of the run's vocab stage, which chains those of its chunks and tags: what a seed's copy re-clusters."""
+    return RunDir(run).read_manifest().get("stages", {}).get(TAGS_STAGE, {}).get("hash")
+
+
+def evaluated(config: Path, run: Path, seed_run: Path, seed: int, label_field: str) -> bool:
     """Both evals of the library clustered with ``seed`` are done on ``label_field`` (a copied run's own reports are
-    not: they are the source run's), and its stages are what this config and this Atlas would compute: a seed
-    evaluated before a change of either (a new library version, another threshold) is redone."""
+    not: they are the source run's), on the source run's tags as they are now, and its stages are what this config
+    and this Atlas would compute: a seed evaluated before a change of any of these is redone."""
     from atlas.config import load_config
     from atlas.runner import RunConflict, StageFailed, check_run
 
     done = seed_run / DONE
     if not done.is_file() or json.loads(done.read_text()) != {"library_seed": seed, "label_field": label_field}:
+        return False
+    if tags_hash(seed_run) != tags_hash(run):
         return False
     try:
         checked = check_run(load_config(config, [f"library.seed={seed}"], run_dir=seed_run),
@@ -76,9 +86,12 @@ def evaluated(config: Path, seed_run: Path, seed: int, label_field: str) -> bool
 
 def run_seed(config: Path, run: Path, workdir: Path, seed: int, label_field: str) -> Path:
     seed_run = workdir / f"seed{seed}"
-    if evaluated(config, seed_run, seed, label_field):
+    if evaluated(config, run, seed_run, seed, label_field):
         print(f"seed {seed}: evaluated before ({seed_run})", flush=True)
         return seed_run
+    if seed_run.is_dir() and tags_hash(seed_run) != tags_hash(run):  # the source's tags changed since the copy
+        print(f"seed {seed}: {seed_run} holds tags that {run} no longer has; copying it again", flush=True)
+        shutil.rmtree(seed_run)
     if not seed_run.is_dir():  # copied under another name first, so a stopped copy is never taken for a run
         print(f"seed {seed}: copying {run} to {seed_run}", flush=True)
         partial = seed_run.with_name(seed_run.name + ".partial")

@@ -88,8 +88,8 @@ def test_scale_benchmark_tiny(tmp_path):
 def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path, monkeypatch):
     """bench_concept_seeds.py on the small trained run: a failed atlas command fails the bench and leaves the seed
     unfinished; then the seed is a re-clustered copy with both eval reports, the table and the rows hold its ratios,
-    a second call reuses the finished seed, and another config makes it stale (one seed: each costs a re-clustering
-    and two evals)."""
+    a second call reuses the finished seed, and another config or new tags in the source make it stale (one seed:
+    each costs a re-clustering and two evals)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -134,4 +134,10 @@ def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path, m
     settings = yaml.safe_load(config.read_text())
     settings["library"]["lift_min_support"] += 1
     changed.write_text(yaml.safe_dump(settings))
-    assert evaluated(config, seed_run, 1, "label") and not evaluated(changed, seed_run, 1, "label")
+    assert evaluated(config, run_copy, seed_run, 1, "label") and not evaluated(changed, run_copy, seed_run, 1, "label")
+    retagged = tmp_path / "retagged"  # and so does a source run whose tags are no longer those copied
+    manifest = json.loads((run_copy / "manifest.json").read_text())
+    manifest["stages"]["vocab"]["hash"] = "another"
+    retagged.mkdir()
+    (retagged / "manifest.json").write_text(json.dumps(manifest))
+    assert not evaluated(config, retagged, seed_run, 1, "label")
