@@ -74,9 +74,9 @@ def inheriting_fields(library_config: dict) -> list[str] | None:
     return library_config.get("fields")
 
 
-def chunk_concepts(run: RunDir, near_weight: float = 0.0) -> dict[str, list[int]]:
-    """Concept ids of every tagged chunk, most voted first (see ``chunk_concept_votes``)."""
-    return {chunk: list(votes) for chunk, votes in chunk_concept_votes(run, near_weight).items()}
+def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
+    """Own concept ids of every tagged chunk, most frequent (by its tags) first."""
+    return {chunk: list(votes) for chunk, votes in chunk_concept_votes(run).items()}
 
 
 def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict[int, float]]:

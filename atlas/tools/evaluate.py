@@ -629,9 +629,9 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     run = RunDir(config.run_dir)
     rows, library_config = load_library(run)
     concepts = {r["concept_id"]: r for r in rows}
-    mapping = pq.read_schema(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet")
     # a library written before near concepts (version 4) has none: its figures are own votes, and say so
-    near_weight = config.library.near_concept_weight if "near_concept_id" in mapping.names else 0.0
+    mapping_columns = pq.read_schema(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").names
+    near_weight = config.library.near_concept_weight if "near_concept_id" in mapping_columns else 0.0
     assigned = chunk_concept_votes(run, near_weight)  # {chunk: {concept: its tags' votes for it}}, most first
     chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
     threshold = sample_threshold(run, config.tag.sample_fraction, config.tag.sample_max_docs)
