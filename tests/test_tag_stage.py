@@ -117,6 +117,30 @@ def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, 
     assert sum(v for k, v in stats.items() if k.startswith("dropped.")) == n_quarantined
 
 
+def test_a_code_files_extension_sets_its_language_whatever_the_engine_said(tmp_path, demo_records):
+    """The server answers every field with words of the prompt; a code document whose id ends in ".py" gets
+    "python" as its language, one whose id has no extension keeps the server's words."""
+    code = [r for r in demo_records if r["data_src"] == "python-stdlib"][:2]
+    picked = [dict(code[0], id=code[0]["id"] + ".py", text=code[0]["text"][:3000]),
+              dict(code[1], text=code[1]["text"][:3000])]
+    with FaultServer(mode="ok") as server:
+        config = load_config(write_config(tmp_path, write_jsonl(tmp_path / "code.jsonl", picked),
+                                          **openai_sections(server)))
+        run_stages(config, TAGGING, log=lambda m: None)
+    run = RunDir(config.run_dir)
+    rows = pq.read_table(run.output_dir("tags")).to_pylist()
+    language = {}
+    for r in rows:
+        if r["field"] == "language":
+            language.setdefault(r["chunk_id"].rsplit(":", 1)[0], set()).add(r["tag_norm"])
+    assert language[picked[0]["id"]] == {"python"}
+    assert language[picked[1]["id"]] and "python" not in language[picked[1]["id"]]
+    n_chunks = sum(1 for r in pq.read_table(run.output_dir("chunks"), columns=["doc_id"]).to_pylist()
+                   if r["doc_id"] == picked[0]["id"])
+    stats = json.loads(run.stats_path("tags").read_text())["counters"]
+    assert stats["tags_from_file_extension"] == stats["engine_tags_replaced_by_file_extension"] == n_chunks
+
+
 def test_api_key_never_reaches_the_run_directory(tmp_path, docs, monkeypatch):
     monkeypatch.setenv("ATLAS_TEST_KEY", "sk-very-secret-123")
     with FaultServer(mode="ok") as server:

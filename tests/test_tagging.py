@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from atlas.config import TagConfig
-from atlas.llm.answers import SchemaError, load_schemas, normalize_tag, parse_answer
+from atlas.llm.answers import SchemaError, file_answers, load_schemas, normalize_tag, parse_answer
 from atlas.llm.offline import (
     candidate_phrases,
     clear_candidates,
@@ -63,9 +63,23 @@ def test_broken_prompt_and_schema_files_are_named(tmp_path):
     (tmp_path / "tags" / "generic.json").write_text(json.dumps(schema))
     with pytest.raises(SchemaError, match="generic.json: field 'main' names candidate list 'nope'"):
         load_schemas(TagConfig(schema_dir=str(tmp_path)))
+    schema["properties"]["main"]["x-atlas-offline"] = {"method": "keyphrases", "k": 2}
+    schema["properties"]["main"]["x-atlas-extensions"] = ["py"]
+    (tmp_path / "tags" / "generic.json").write_text(json.dumps(schema))
+    with pytest.raises(SchemaError, match="generic.json: field 'main' has \"x-atlas-extensions\" that is not an"):
+        load_schemas(TagConfig(schema_dir=str(tmp_path)))
     (tmp_path / "tags" / "generic.json").write_text("{not json")
     with pytest.raises(SchemaError, match="generic.json: not valid JSON"):
         load_schemas(TagConfig(schema_dir=str(tmp_path)))
+
+
+def test_a_code_files_extension_answers_its_language(schemas):
+    assert file_answers(schemas["code"], "code:maths/perfect_number.py") == {"language": ["python"]}
+    assert file_answers(schemas["code"], "repo/src/Main.CPP") == {"language": ["c++"]}
+    # no extension, one the map lacks (".m": MATLAB or Objective-C), a dot inside a folder's name: the engine answers
+    for doc_id in ("python-stdlib:bisect", "lib/solver.m", "20ng:train-rec.motorcycles/104943", "notes.py/README"):
+        assert file_answers(schemas["code"], doc_id) == {}, doc_id
+    assert file_answers(schemas["generic"], "docs/setup.py") == {}  # only fields that map extensions
 
 
 def _good(schema):

@@ -5,7 +5,10 @@ for other domains) through the configured engine: ``offline`` (no LLM), ``openai
 OpenAI-compatible server) or ``vllm``. Answers are parsed, repaired where harmless, validated
 against the schema and normalized; an answer that still fails is asked again (with a short note
 on what was wrong) up to ``tag.max_attempts`` times, then the chunk is quarantined in
-``tags/_rejects/`` with the raw answer and the reason.
+``tags/_rejects/`` with the raw answer and the reason. A field whose schema maps file extensions to tags
+(``"x-atlas-extensions"``: the code schema's ``language``) is then set from the document's id where it ends with one
+of them (``maths/perfect_number.py``: "python"), whatever the engine said (counted as ``tags_from_file_extension``
+and, where it said something else, ``engine_tags_replaced_by_file_extension``).
 
 **The library sample** (paper 4.2: 6.6M of 1.84B documents are tagged; the trained annotator labels
 the rest). Only the chunks of documents in the sample are tagged: a document is in it when its
@@ -41,13 +44,13 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import SAMPLE_FILE, sample_position, sample_threshold
 from atlas.io.tags import TAG_SCHEMA
-from atlas.llm.answers import Parsed, TagSchema, load_schemas, normalize_tag, parse_answer
+from atlas.llm.answers import Parsed, TagSchema, file_answers, load_schemas, normalize_tag, parse_answer
 from atlas.llm.ask import ask_until_done
 from atlas.llm.cache import RequestCache
 from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
 
-TAG_STAGE_VERSION = 2
+TAG_STAGE_VERSION = 3  # 3: fields a document's file extension answers (a code file's language) are set from it
 QUARANTINE_SCHEMA = pa.schema(
     [("chunk_id", pa.string()), ("domain", pa.string()), ("reason", pa.string()), ("detail", pa.string()),
      ("attempts", pa.int16()), ("finish_reason", pa.string()), ("raw", pa.string())]
@@ -149,7 +152,8 @@ class TagStage(Stage):
         )
 
     def run_shard(self, run: RunDir, shard: int) -> Stats:
-        every = read_parquet(run.part_path(layout.CHUNKS, shard), ["chunk_id", "doc_id", "domain", "chunk_text"])
+        every = read_parquet(run.part_path(layout.CHUNKS, shard),
+                             ["chunk_id", "doc_id", "source_doc_id", "domain", "chunk_text"])
         threshold = sample_threshold(run, self.config.tag.sample_fraction, self.config.tag.sample_max_docs)
         in_sample = {doc: sample_position(doc) < threshold for doc in set(every.column("doc_id").to_pylist())}
         chunks = [c for c in every.to_pylist() if in_sample[c["doc_id"]]]
@@ -190,7 +194,8 @@ class TagStage(Stage):
                                f"{len(quarantined)} quarantined")
         rows: dict[str, list] = {name: [] for name in TAG_SCHEMA.names}
         for chunk in chunks:
-            for field, tags in (answers[chunk["chunk_id"]] or {}).items():
+            answer = answers[chunk["chunk_id"]]
+            for field, tags in (self._with_file_answers(chunk, answer, stats) if answer else {}).items():
                 for rank, (tag, norm) in enumerate(tags):
                     for key, value in zip(TAG_SCHEMA.names, (chunk["chunk_id"], field, tag, norm, rank)):
                         rows[key].append(value)
@@ -236,6 +241,17 @@ class TagStage(Stage):
             "attempts": attempt, "finish_reason": result.finish_reason, "raw": (result.text or "")[:RAW_KEPT],
         }
         return None
+
+    def _with_file_answers(self, chunk: dict, tags: dict, stats: Stats) -> dict:
+        """The chunk's tags, with the fields its document's file name answers (``file_answers``: a code file's
+        language from its extension) set from it, whatever the engine said; counted, and counted again where the
+        engine had said something else."""
+        known = file_answers(self.schema_for(chunk["domain"]), chunk["source_doc_id"] or chunk["doc_id"])
+        for field, values in known.items():
+            stats.inc("tags_from_file_extension")
+            if [norm for _, norm in tags.get(field, [])] != [normalize_tag(v) for v in values]:
+                stats.inc("engine_tags_replaced_by_file_extension")
+        return tags | {field: self._normalized(values) for field, values in known.items()}
 
     @staticmethod
     def _normalized(values: list[str]) -> list[tuple[str, str]]:
