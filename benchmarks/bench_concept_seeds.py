@@ -14,9 +14,10 @@ library makes them stale), then re-clustered and evaluated with the CLI:
 
 On the dev corpus a seed takes about 9 minutes on 2 quiet CPU cores (5-6 to re-cluster, 4 to evaluate). A seed is done
 when both evals are (WORKDIR/seedS/bench_seed.json says so) and its stages are those this config and this Atlas would
-compute from the source run's tags as they are now; a done seed is not redone, so after a stop the same command goes on
-where it was, and after an upgrade, a change of the config or new tags in the source run it redoes the seeds that
-makes stale (new tags: from a new copy).
+compute from the source run's tags as they are now, and its reports were written by these evals (their eval_version);
+a done seed is not redone, so after a stop the same command goes on where it was, and after an upgrade, a change of
+the config or new tags in the source run it redoes the seeds that makes stale (new tags: from a new copy; evals of
+other rules: the evals only).
 
 Prints, per labelled source and eval (library: the concepts the tags inherit; annotator: its calibrated
 probabilities), the top-concept homogeneity ratio concepts / k-means at each seed, their mean and minimum, and how
@@ -64,10 +65,10 @@ def tags_hash(run: Path) -> str | None:
     return RunDir(run).read_manifest().get("stages", {}).get(TAGS_STAGE, {}).get("hash")
 
 
-def evaluated(config: Path, run: Path, seed_run: Path, seed: int, label_field: str) -> bool:
-    """Both evals of the library clustered with ``seed`` are done on ``label_field`` (a copied run's own reports are
-    not: they are the source run's), on the source run's tags as they are now, and its stages are what this config
-    and this Atlas would compute: a seed evaluated before a change of any of these is redone."""
+def clustered(config: Path, run: Path, seed_run: Path, seed: int, label_field: str) -> bool:
+    """The library clustered with ``seed`` was evaluated on ``label_field`` once (a copied run's own reports are not:
+    they are the source run's), on the source run's tags as they are now, and its stages are what this config and
+    this Atlas would compute: a seed clustered before a change of any of these is redone."""
     from atlas.config import load_config
     from atlas.runner import RunConflict, StageFailed, check_run
 
@@ -84,23 +85,41 @@ def evaluated(config: Path, run: Path, seed_run: Path, seed: int, label_field: s
     return all(stage.done for stage in checked)
 
 
+def reports_current(seed_run: Path) -> bool:
+    """Both eval reports are there and were written by these evals (``EVAL_VERSION``): reports of other rules
+    (another choice of a document's top concept) are evaluated again, on the same clustering."""
+    from atlas.tools.evaluate import EVAL_VERSION
+
+    paths = [seed_run / layout.REPORT / name for name in REPORTS.values()]
+    return all(p.is_file() and json.loads(p.read_text()).get("eval_version") == EVAL_VERSION for p in paths)
+
+
+def evaluated(config: Path, run: Path, seed_run: Path, seed: int, label_field: str) -> bool:
+    """The seed is clustered as this config and Atlas would (``clustered``) and its reports are current."""
+    return clustered(config, run, seed_run, seed, label_field) and reports_current(seed_run)
+
+
 def run_seed(config: Path, run: Path, workdir: Path, seed: int, label_field: str) -> Path:
     seed_run = workdir / f"seed{seed}"
     if evaluated(config, run, seed_run, seed, label_field):
         print(f"seed {seed}: evaluated before ({seed_run})", flush=True)
         return seed_run
-    if seed_run.is_dir() and tags_hash(seed_run) != tags_hash(run):  # the source's tags changed since the copy
-        print(f"seed {seed}: {seed_run} holds tags that {run} no longer has; copying it again", flush=True)
-        shutil.rmtree(seed_run)
-    if not seed_run.is_dir():  # copied under another name first, so a stopped copy is never taken for a run
-        print(f"seed {seed}: copying {run} to {seed_run}", flush=True)
-        partial = seed_run.with_name(seed_run.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(run, partial, ignore=lambda folder, names: [n for n in names if Path(folder) == run
-                                                                    and n in (*STALE_OUTPUTS, DONE)])
-        partial.rename(seed_run)
-    atlas("run", str(config), "--run-dir", str(seed_run), "--set", f"library.seed={seed}", "--force",
-          "--stages", RECLUSTER_STAGES)
+    if clustered(config, run, seed_run, seed, label_field):
+        print(f"seed {seed}: clustered before ({seed_run}); its reports are of other evals: evaluating it again",
+              flush=True)
+    else:
+        if seed_run.is_dir() and tags_hash(seed_run) != tags_hash(run):  # the source's tags changed since the copy
+            print(f"seed {seed}: {seed_run} holds tags that {run} no longer has; copying it again", flush=True)
+            shutil.rmtree(seed_run)
+        if not seed_run.is_dir():  # copied under another name first, so a stopped copy is never taken for a run
+            print(f"seed {seed}: copying {run} to {seed_run}", flush=True)
+            partial = seed_run.with_name(seed_run.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(run, partial, ignore=lambda folder, names: [n for n in names if Path(folder) == run
+                                                                        and n in (*STALE_OUTPUTS, DONE)])
+            partial.rename(seed_run)
+        atlas("run", str(config), "--run-dir", str(seed_run), "--set", f"library.seed={seed}", "--force",
+              "--stages", RECLUSTER_STAGES)
     for what in REPORTS:
         atlas("eval", what, str(seed_run), "--label-field", label_field)
     (seed_run / DONE).write_text(json.dumps({"library_seed": seed, "label_field": label_field}) + "\n")

@@ -88,8 +88,8 @@ def test_scale_benchmark_tiny(tmp_path):
 def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path, monkeypatch):
     """bench_concept_seeds.py on the small trained run: a failed atlas command fails the bench and leaves the seed
     unfinished; then the seed is a re-clustered copy with both eval reports, the table and the rows hold its ratios,
-    a second call reuses the finished seed, and another config or new tags in the source make it stale (one seed:
-    each costs a re-clustering and two evals)."""
+    a second call reuses the finished seed, reports of other evals are evaluated again without re-clustering, and
+    another config or new tags in the source make it stale (one seed: each costs a re-clustering and two evals)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import yaml
@@ -126,9 +126,18 @@ def test_concept_seeds_benchmark_on_a_trained_run(run_copy, trained, tmp_path, m
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "seed 1: evaluated before" in again.stdout and "$ atlas" not in again.stdout
     assert json.loads(out.read_text()) == rows
-    # a config (or an Atlas) that would compute the library otherwise makes the finished seed stale: it is redone
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from bench_concept_seeds import evaluated
+    from bench_concept_seeds import clustered, evaluated
+
+    # a report of other evals (another eval_version) is evaluated again, on the same clustering
+    report = seed_run / "report" / "library_eval.json"
+    report.write_text(json.dumps(json.loads(report.read_text()) | {"eval_version": 1}))
+    assert clustered(config, run_copy, seed_run, 1, "label") and not evaluated(config, run_copy, seed_run, 1, "label")
+    redone = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert redone.returncode == 0, redone.stdout[-3000:] + redone.stderr[-3000:]
+    assert "evaluating it again" in redone.stdout and "$ atlas eval library" in redone.stdout
+    assert "$ atlas run" not in redone.stdout and evaluated(config, run_copy, seed_run, 1, "label")
+    # a config (or an Atlas) that would compute the library otherwise makes the finished seed stale: it is redone
 
     changed = tmp_path / "changed.yaml"
     settings = yaml.safe_load(config.read_text())
