@@ -109,11 +109,12 @@ def lifted_words(con, chunk_texts, min_support: int, spill: Path, top: int = LIF
     return dict(rows)
 
 
-def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], own: list[int | None], floor: float,
-                  batch_size: int = 65_536) -> list[int | None]:
-    """Each vocabulary tag's near concept: that of its nearest kept cluster (the centroids of ``clusters/``) whose
-    concept is not ``own[tag]``, at similarity >= ``floor``; None where no such cluster is among its
-    ``NEAR_SEARCHED`` nearest kept ones. Tags are searched a batch at a time (memory: a batch, not the vocabulary)."""
+def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], tags: list[str], own: list[int | None],
+                  floor: float, batch_size: int = 65_536) -> list[int | None]:
+    """Each vocabulary tag's near concept (``tags``: the vocabulary's, in its order; ``own``: their concepts): that of
+    its nearest kept cluster (the centroids of ``clusters/``) whose concept is not its own, at similarity >=
+    ``floor``; None where no such cluster is among its ``NEAR_SEARCHED`` nearest kept ones. Tags are searched a batch
+    at a time (memory: a batch, not the vocabulary)."""
     from atlas.models.kmeans import nearest_centroids  # faiss loads only when a library is built
 
     kept = np.asarray(sorted(concept_of_cluster), dtype=np.int64)
@@ -122,7 +123,11 @@ def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], own: list[int
     centroids = np.load(run.output_dir(layout.CLUSTERS) / "_centroids.npy", allow_pickle=False)[kept]
     concept = np.asarray([concept_of_cluster[c] for c in kept.tolist()], dtype=np.int64)
     own_concept = np.asarray([-1 if c is None else c for c in own], dtype=np.int64)
-    vectors = load_vocab(run, ["tag_norm"])[1]
+    vocab, vectors = load_vocab(run, ["tag_norm"])
+    if vocab.column("tag_norm").to_pylist() != tags:  # row i of the embeddings must be tag i of the mapping
+        raise ArtifactError(f"{run.part_path(layout.CLUSTERS, 0)}: its tags are not those of "
+                            f"{run.output_dir(layout.TAG_VOCAB)}, in their order; rerun the cluster stage with "
+                            "--force")
     near: list[int | None] = []
     searched = min(NEAR_SEARCHED, len(kept))
     for start in range(0, len(own_concept), batch_size):
@@ -193,7 +198,8 @@ class LibraryStage(Stage):
         mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
                    "concept_id": [concept_of_cluster.get(cluster) if similarity >= floor else None
                                   for cluster, similarity in zip(clusters["cluster_id"], clusters["similarity"])]}
-        mapping["near_concept_id"] = near_concepts(run, concept_of_cluster, mapping["concept_id"], floor)
+        mapping["near_concept_id"] = near_concepts(run, concept_of_cluster, mapping["tag_norm"], mapping["concept_id"],
+                                                   floor)
 
         folder = run.output_dir(self.output)
         atomic_write_parquet(folder / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPT_SCHEMA))

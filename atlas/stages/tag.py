@@ -246,12 +246,13 @@ class TagStage(Stage):
         """The chunk's tags, with the fields its document's file name answers (``file_answers``: a code file's
         language from its extension) set from it, whatever the engine said; counted, and counted again where the
         engine had said something else."""
-        known = file_answers(self.schema_for(chunk["domain"]), chunk["source_doc_id"] or chunk["doc_id"])
+        known = {field: self._normalized(values) for field, values in
+                 file_answers(self.schema_for(chunk["domain"]), chunk["source_doc_id"] or chunk["doc_id"]).items()}
         for field, values in known.items():
             stats.inc("tags_from_file_extension")
-            if [norm for _, norm in tags.get(field, [])] != [normalize_tag(v) for v in values]:
+            if [norm for _, norm in tags.get(field, [])] != [norm for _, norm in values]:
                 stats.inc("engine_tags_replaced_by_file_extension")
-        return tags | {field: self._normalized(values) for field, values in known.items()}
+        return tags | known
 
     @staticmethod
     def _normalized(values: list[str]) -> list[tuple[str, str]]:
