@@ -16,6 +16,7 @@ from atlas.tools.evaluate import (
     KMEANS_SEEDS,
     _probes,
     _ratio_interval,
+    _reassign,
     _weighted_homogeneity,
     format_per_source,
     per_source_table,
@@ -93,6 +94,38 @@ def test_annotator_top_concept_is_distinctive_and_representative():
         e = per_source_table(doc_ids, embeddings, scores, labels, sources, concept_vector=vector)["per_source"]["news"]
         assert e["top_concept_by_lift"]["groups"] == 5 and e["top_concept_by_lift"]["homogeneity"] < 0.95, vector
         assert e["top_concept"]["groups"] == 4 and e["top_concept"]["homogeneity"] == pytest.approx(1.0), vector
+
+
+def test_top_concepts_are_reassigned_to_the_concept_whose_documents_they_resemble():
+    """Documents a1..a3 lie along one axis, b1..b3 along another. The first pass gave every one but a1 and b1 the
+    broad concept 0, mixing the axes; a1 has only concept 1, b1 only concept 2. Each a may also take 1, each b 2:
+    compared with the documents each concept heads, the a's join a1, and every concept heads one axis."""
+    rng = np.random.default_rng(0)
+    axes = np.eye(8)[[0] * 3 + [1] * 3] + 0.1 * rng.normal(size=(6, 8))
+    documents = axes / np.linalg.norm(axes, axis=1, keepdims=True)
+    candidates = np.array([[1, 0], [0, 1], [0, 1], [2, 0], [0, 2], [0, 2]])
+    allowed = np.array([[True, False], [True, True], [True, True], [True, False], [True, True], [True, True]])
+    first = np.array([1, 0, 0, 2, 0, 0])
+    top = _reassign(documents, candidates, allowed, first, 3, "test")
+    assert top[:3].tolist() == [1, 1, 1] and set(top[3:]) <= {0, 2} and top[3] == 2  # b2, b3: with b1 or together
+    assert first.tolist() == [1, 0, 0, 2, 0, 0]  # the input is left as it was
+    alone = allowed & (np.arange(2) == 0)  # one allowed candidate each: no choice, nothing moves
+    assert _reassign(documents, candidates, alone, first, 3, "test").tolist() == first.tolist()
+
+
+def test_the_control_shuffles_the_concepts_among_the_documents():
+    """Concepts equal to the labels, and rare ones at random: the top concepts are the labels (homogeneity 1); the
+    same rule on the concepts shuffled among the documents groups them by chance, far below k-means on the same
+    embeddings."""
+    doc_ids, embeddings, labels, sources = synthetic(n_docs=200, separated=True, chunks_per_doc=(1, 3))
+    counts = np.column_stack([one_hot(labels, 4), np.random.default_rng(2).random((len(labels), 200)) < 0.01])
+    e = per_source_table(doc_ids, embeddings, counts.astype(np.float32), labels, sources,
+                         concept_vector="share")["per_source"]["news"]
+    assert e["top_concept"]["homogeneity"] == pytest.approx(1.0) and e["homogeneity_ratio"] >= 1
+    control = e["shuffled_concepts"]
+    assert control["homogeneity"] < 0.5 and control["homogeneity_ratio"] < 0.6 and control["ami"] < 0.3
+    assert control["k"] >= 2 and control["kmeans_homogeneity"] > 0.9  # k-means finds the labels at that k
+    assert e["top_concept_first_pass"]["k"] >= 1 and e["top_concept_by_lift"]["k"] >= 1
 
 
 def test_a_concept_only_one_document_has_is_not_its_top_concept():
