@@ -523,7 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Per labelled source (data_src), by document: linear probes on concept vectors "
                                    "vs raw embeddings, and homogeneity / NMI of each document's top concept vs a "
                                    "k-means baseline with as many clusters, the homogeneity ratio with its 95% "
-                                   "interval over a bootstrap of the documents; then the summary as JSON.")
+                                   "interval over a bootstrap of the documents, and a control (the same top-concept "
+                                   "rule with each document given another's concepts); then the summary as JSON. "
+                                   "docs/quality.md says how each figure is computed.")
     p.add_argument("what", choices=["library", "annotator"])
     p.add_argument("run_dir")
     p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")
