@@ -213,15 +213,13 @@ def _evaluate_source(evaluated: np.ndarray, truth: np.ndarray, inverse: np.ndarr
                      concepts, concept_vector: str, folds: int, seed: int, restarts: int, tops: dict[str, np.ndarray],
                      tags=None) -> dict:
     """One source's figures; ``tops``: its documents' top concepts by each rule of :func:`_top_concepts`."""
-    from scipy import sparse
 
     local = np.full(n_docs, -1, dtype=np.int64)
     local[evaluated] = np.arange(len(evaluated))
     rows = np.flatnonzero(local[inverse] >= 0)  # the chunks of the evaluated documents
     chunk_doc = local[inverse[rows]]
     n = len(evaluated)
-    member = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (chunk_doc, np.arange(len(rows)))),
-                               shape=(n, len(rows)))
+    member = _membership(chunk_doc, n)
     chunk_scores = concepts[rows]
     summed = _dense(member @ chunk_scores)
     chunks_per_doc = np.bincount(chunk_doc, minlength=n)[:, None]
@@ -284,11 +282,8 @@ def _top_concepts(inverse: np.ndarray, n_docs: int, embeddings, concepts, concep
     ``by_lift`` (the largest lift), ``first_pass`` (the candidate whose chunks are nearest the document, before
     the re-assignment) and ``shuffled`` (the control: the whole rule on candidate sets shuffled among the
     documents). Chunks are rows; ``inverse``: each chunk's document."""
-    from scipy import sparse
-
-    n_chunks, n_concepts = len(inverse), concepts.shape[1]
-    member = sparse.csr_matrix((np.ones(n_chunks, dtype=np.float32), (inverse, np.arange(n_chunks))),
-                               shape=(n_docs, n_chunks))
+    n_concepts = concepts.shape[1]
+    member = _membership(inverse, n_docs)
     if concept_vector not in ("share", "probabilities") or not n_concepts:
         if not n_concepts:
             return {"top": np.full(n_docs, -1, dtype=np.int64)}
@@ -302,7 +297,9 @@ def _top_concepts(inverse: np.ndarray, n_docs: int, embeddings, concepts, concep
     chunks_per_doc = np.bincount(inverse, minlength=n_docs)
     m = min(TOP_CANDIDATES, n_concepts)
     candidates = np.zeros((n_docs, m), dtype=np.int64)
+    candidate_lift = np.zeros((n_docs, m))
     allowed = np.zeros((n_docs, m), dtype=bool)
+    has = np.zeros(n_docs, dtype=bool)  # the document has some concept
     by_lift = np.full(n_docs, -1, dtype=np.int64)
     first = np.full(n_docs, -1, dtype=np.int64)
     order = np.argsort(inverse, kind="stable")  # chunks by document: a block of documents is a slice of them
@@ -310,34 +307,33 @@ def _top_concepts(inverse: np.ndarray, n_docs: int, embeddings, concepts, concep
     for block, a in enumerate(range(0, n_docs, DOC_BLOCK)):
         b = min(a + DOC_BLOCK, n_docs)
         rows = order[bounds[block]:bounds[block + 1]]
-        part = sparse.csr_matrix((np.ones(len(rows), dtype=np.float32), (inverse[rows] - a, np.arange(len(rows)))),
-                                 shape=(b - a, len(rows)))
+        part = _membership(inverse[rows] - a, b - a)
         scores = concepts[rows]
         summed = _dense(part @ scores)
         lift = summed / prior / chunks_per_doc[a:b, None]  # of the mean score: the sum's / the chunk count
-        has = summed.max(axis=1) > 0
-        chosen = np.argpartition(-lift, m - 1, axis=1)[:, :m]
-        chosen_lift = np.take_along_axis(lift, chosen, axis=1)
-        candidates[a:b], allowed[a:b] = chosen, (chosen_lift > CANDIDATE_MIN_LIFT) & has[:, None]
+        has[a:b] = summed.max(axis=1) > 0
+        candidates[a:b] = np.argpartition(-lift, m - 1, axis=1)[:, :m]
+        candidate_lift[a:b] = np.take_along_axis(lift, candidates[a:b], axis=1)
+        allowed[a:b] = (candidate_lift[a:b] > CANDIDATE_MIN_LIFT) & has[a:b, None]
 
         def own_sums(concept_of_doc: np.ndarray, rows=rows, part=part, scores=scores, a=a) -> np.ndarray:
             """[b - a, d]: each document's chunks' embeddings weighted by their score of its concept."""
             weights = np.asarray(scores[np.arange(len(rows)), concept_of_doc[inverse[rows] - a]], dtype=np.float32)
             return np.asarray(part @ (weights.ravel()[:, None] * chunk_vectors[rows]))
 
-        nearest = _nearest_chunks(chosen, allowed[a:b], chosen_lift, documents[a:b], sums, own_sums)
-        by_lift[a:b] = np.where(has, lift.argmax(axis=1), -1)
-        first[a:b] = np.where(has, nearest, -1)
+        nearest = _nearest_chunks(candidates[a:b], allowed[a:b], candidate_lift[a:b], documents[a:b], sums, own_sums)
+        by_lift[a:b] = np.where(has[a:b], lift.argmax(axis=1), -1)
+        first[a:b] = np.where(has[a:b], nearest, -1)
     top = _reassign(documents, candidates, allowed, first, n_concepts, "top concepts")
 
     # The control: each document gets another's candidates (a seeded permutation), starts from the one whose chunks
-    # are nearest it and is re-assigned alike. Near k-means, it would say the rule, not the concepts, makes the groups.
+    # are nearest it (none of them its own) and is re-assigned alike. Near k-means, it would say the rule, not the
+    # concepts, makes the groups.
     perm = np.random.default_rng(seed).permutation(n_docs)
     other_candidates, other_allowed = candidates[perm], allowed[perm]
-    unit_sums = _unit_rows(sums)
-    cosine = np.stack([np.einsum("nd,nd->n", documents, unit_sums[other_candidates[:, j]]) for j in range(m)], axis=1)
-    nearest = np.take_along_axis(other_candidates, np.where(other_allowed, cosine, -np.inf).argmax(axis=1)[:, None], 1)
-    start = np.where(other_allowed.any(axis=1), nearest[:, 0], by_lift[perm])
+    nearest = _nearest_chunks(other_candidates, other_allowed, candidate_lift[perm], documents, sums,
+                              lambda _: 0.0)
+    start = np.where(has[perm], nearest, -1)
     shuffled = _reassign(documents, other_candidates, other_allowed, start, n_concepts, "control")
     return {"top": top, "by_lift": by_lift, "first_pass": first, "shuffled": shuffled}
 
@@ -410,6 +406,15 @@ def _reassign(documents: np.ndarray, candidates: np.ndarray, allowed: np.ndarray
     logger.info(f"{what} re-assigned by their documents in {len(moves)} passes ({settled}); documents moved per "
                 f"pass, of {len(movable):,} with a choice: {', '.join(f'{m:,}' for m in moves)}")
     return top
+
+
+def _membership(group_of_row: np.ndarray, n_groups: int, dtype=np.float32):
+    """[n_groups, rows] sparse 0/1: multiplied with a [rows, ...] array, it sums the rows of each group (the
+    chunks of each document)."""
+    from scipy import sparse
+
+    n = len(group_of_row)
+    return sparse.csr_matrix((np.ones(n, dtype=dtype), (group_of_row, np.arange(n))), shape=(n_groups, n))
 
 
 def _dense(x) -> np.ndarray:
@@ -516,16 +521,11 @@ def _weighted_homogeneity(labels: np.ndarray, groups: np.ndarray, weights: np.nd
     times in draw d (a row of ones gives scikit-learn's homogeneity_score). ``labels``: integers 0..L-1. Counts are
     kept per (group, label) pair that occurs, ``block`` draws at a time: memory grows with the documents, not with
     groups x labels x draws."""
-    from scipy import sparse
-
-    def rows_to(index: np.ndarray, size: int):  # [size, len(index)]: sums the rows that share an index
-        return sparse.csr_matrix((np.ones(len(index)), (index, np.arange(len(index)))), shape=(size, len(index)))
-
     _, group = np.unique(groups, return_inverse=True)
     pairs, cell = np.unique(np.column_stack([group.ravel(), labels]), axis=0, return_inverse=True)
-    to_cell = rows_to(cell.ravel(), len(pairs))
-    cell_group = rows_to(pairs[:, 0], int(pairs[:, 0].max()) + 1)
-    cell_label = rows_to(pairs[:, 1], int(labels.max()) + 1)
+    to_cell = _membership(cell.ravel(), len(pairs), np.float64)
+    cell_group = _membership(pairs[:, 0], int(pairs[:, 0].max()) + 1, np.float64)
+    cell_label = _membership(pairs[:, 1], int(labels.max()) + 1, np.float64)
     out = []
     for start in range(0, len(weights), block):
         w = weights[start:start + block]
