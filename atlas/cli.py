@@ -26,10 +26,12 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import textwrap
 from pathlib import Path
 
+from atlas.core.signals import Terminated, sigterm_as_interrupt
 from atlas.io import layout
 
 EXAMPLES = """examples:
@@ -602,8 +604,8 @@ class UsageError(ValueError):
     """A command given arguments that cannot work (a shard beyond the plan, a folder that is not an output)."""
 
 
-def _interrupted(args) -> str:
-    """The one line a Ctrl-C prints: what it stopped and how to go on."""
+def _interrupted(args, how: str = "interrupted") -> str:
+    """The one line a Ctrl-C (or SIGTERM: ``how``) prints: what it stopped and how to go on."""
     from atlas.core.rundir import RunDir
     from atlas.tools.status import run_status
 
@@ -616,8 +618,8 @@ def _interrupted(args) -> str:
         if stage is not None:
             what = f"stage {stage.name} ({stage.shards_done} of {stage.shards_total} shard(s) done)"
     if args.command in ("run", "stage"):
-        return f"interrupted: {what}; finished shards are kept, rerun the same command to resume"
-    return f"interrupted: {what}"
+        return f"{how}: {what}; finished shards are kept, rerun the same command to resume"
+    return f"{how}: {what}"
 
 
 class _TerminalHandler(logging.Handler):
@@ -716,11 +718,12 @@ def main(argv: list[str] | None = None) -> int:
     from atlas.runner import RunConflict, StageFailed
 
     try:
-        with _log_to_terminal():
+        with _log_to_terminal(), sigterm_as_interrupt():
             return _run_command(args)
-    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (the run lock is released on the way out)
-        print(_interrupted(args), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, no traceback (the run lock is released on the way)
+        terminated = isinstance(e, Terminated)
+        print(_interrupted(args, "terminated" if terminated else "interrupted"), file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except (ConfigError, UsageError, InputError, RunConflict, RunLocked, StageFailed, MissingExtra, FileNotFoundError,
             FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,6 +38,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
 from atlas.config import AtlasConfig, ConfigError, ExecutionConfig, config_from_dict, load_config
 from atlas.core.rundir import RunDir
+from atlas.core.signals import sigterm_as_interrupt
 from atlas.runner import StageReport, run_one_shard, run_stages
 from atlas.tools.status import status_rows
 
@@ -159,8 +160,9 @@ def publish_status(run: RunDir, stage_name: str) -> None:
 def atlas_pipeline(config: dict, stages: list[str] | None = None, force: bool = False) -> list[dict]:
     # print: log_prints makes each stage line a Prefect log record, which a deployment's worker shows too (the
     # "atlas" logger has no handler there)
-    reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect, on_stage=publish_status,
-                         log=print)
+    with sigterm_as_interrupt(nested=True):  # started by the CLI: in place of the engine's handler
+        reports = run_stages(config_from_dict(config), stages, force, map_shards=map_with_prefect,
+                             on_stage=publish_status, log=print)
     return [r.__dict__ for r in reports]
 
 

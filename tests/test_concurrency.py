@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import finish_process, wait_for, write_config, write_jsonl
 
+from atlas.core.signals import Terminated, sigterm_as_interrupt
+
 pytestmark = pytest.mark.slow
 
 
@@ -87,16 +89,20 @@ def test_a_second_atlas_run_on_a_busy_run_directory_is_refused(tmp_path, larger_
     assert all(record.get("hash") for record in records.values())
 
 
+def chunking_run(tmp_path: Path, larger_input: Path, orchestrator: str) -> tuple[subprocess.Popen, Path]:
+    """`atlas run --stages chunk` started on 360 shards of 4 documents: chunking takes long enough for a signal to
+    land inside it on a fast machine. Returns the process and its run directory."""
+    config = write_config(tmp_path, larger_input, input={"docs_per_shard": 4},
+                          execution={"orchestrator": orchestrator, "workers": 2, "progress": False})
+    return atlas("run", config, "--stages", "chunk"), tmp_path / "run"
+
+
 @pytest.mark.parametrize("orchestrator", ["inline", "prefect"])
 def test_ctrl_c_stops_atlas_run_within_seconds_with_one_line(tmp_path, larger_input, orchestrator):
     """A real SIGINT to the process group, as a terminal's Ctrl-C sends it (with Prefect, to its temporary server
     too). Before: ~90 lines of traceback inline; with Prefect, minutes of httpx.ConnectError tracebacks, as the
     flow retried a server that the same Ctrl-C had stopped."""
-    # shards of 4 documents (360): chunking takes long enough for the signal to land inside it on a fast machine
-    config = write_config(tmp_path, larger_input, input={"docs_per_shard": 4},
-                          execution={"orchestrator": orchestrator, "workers": 2, "progress": False})
-    run_dir = tmp_path / "run"
-    process = atlas("run", config, "--stages", "chunk")
+    process, run_dir = chunking_run(tmp_path, larger_input, orchestrator)
     try:
         # Prefect's temporary server starts first: seconds, more on a busy machine.
         wait_for(lambda: started_chunking(run_dir, process, shards=2), f"`atlas run` ({orchestrator}) to chunk", 120)
@@ -121,3 +127,46 @@ def test_ctrl_c_stops_atlas_run_within_seconds_with_one_line(tmp_path, larger_in
     status = atlas("status", run_dir)
     out, _ = finish_process(status, "`atlas status`", 60)
     assert re.search(r"chunk +interrupted", out), out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("orchestrator", ["inline", "prefect"])
+def test_sigterm_to_atlas_run_stops_it_and_what_it_started(tmp_path, larger_input, orchestrator):
+    """`kill PID` (or a batch scheduler's time limit) signals the CLI alone, not its process group. Before: inline,
+    the CLI died at once (no line, the lock left behind); with Prefect, its tasks ran on for over a minute, and its
+    temporary server (uvicorn, about 200 MB) outlived it, one more at each such stop."""
+    process, run_dir = chunking_run(tmp_path, larger_input, orchestrator)
+    try:
+        wait_for(lambda: started_chunking(run_dir, process, shards=2), f"`atlas run` ({orchestrator}) to chunk", 120)
+        os.kill(process.pid, signal.SIGTERM)
+        out, err = finish_process(process, "`atlas run` after SIGTERM", 60)
+        wait_for(lambda: not _group_alive(process.pid), "what `atlas run` started to stop", 30, interval=0.2)
+    finally:
+        if _group_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+        if process.poll() is None:
+            process.communicate()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("terminated:")], err
+    assert not (run_dir / "_lock").exists()
+
+
+def test_sigterm_raises_terminated_within_the_block_and_nested_blocks_only_inside_one():
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_interrupt(nested=True):  # a flow that a Prefect worker runs: the engine's handler stays
+        assert signal.getsignal(signal.SIGTERM) is before
+    with sigterm_as_interrupt():  # the CLI
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as Prefect's flow engine replaces it for the flow
+        with sigterm_as_interrupt(nested=True), pytest.raises(Terminated):  # the flow body takes it back
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is before
