@@ -283,10 +283,10 @@ def _top_concepts(inverse: np.ndarray, n_docs: int, embeddings, concepts, concep
     the re-assignment) and ``shuffled`` (the control: the whole rule on candidate sets shuffled among the
     documents). Chunks are rows; ``inverse``: each chunk's document."""
     n_concepts = concepts.shape[1]
+    if not n_concepts:
+        return {"top": np.full(n_docs, -1, dtype=np.int64)}
     member = _membership(inverse, n_docs)
-    if concept_vector not in ("share", "probabilities") or not n_concepts:
-        if not n_concepts:
-            return {"top": np.full(n_docs, -1, dtype=np.int64)}
+    if concept_vector not in ("share", "probabilities"):
         summed = _dense(member @ concepts)
         return {"top": np.where(summed.max(axis=1) > 0, summed.argmax(axis=1), -1)}
 
