@@ -199,6 +199,11 @@ class LibraryConfig(Section):
     # corpus' tags are ("equation" x55 and "polynomial" x30 get their own concepts rather than sharing one with 37
     # rare variants); "tags" weighs every distinct tag alike.
     cluster_weights: Literal["occurrences", "tags"] = "occurrences"
+    # The chosen k is fit on each tag's embedding joined with the mean embedding of its chunks (annotator.encoder),
+    # this share of the cosine from the chunks: tags that only look alike ("afp", "type ub") part, and tags given to
+    # texts of one subject meet; the coherence stage's tag-set test reads the same vectors. 0: the tag embeddings
+    # alone (see atlas/stages/cluster.py).
+    context_weight: float = Field(default=0.4, ge=0, lt=1)
     # Coherence filter (paper: core >= 9, random >= 8, edge >= 7 on a 1-10 scale, sets of 10 tags).
     strata_size: int = Field(default=10, ge=2)
     core_min: int = Field(default=9, ge=1, le=10)

@@ -187,6 +187,12 @@ def _vocab_embeddings_short(run):
     unfinish(run, "clusters")
 
 
+def _clustered_vectors_short(run):
+    path = run.output_dir("clusters") / "_vectors.npy"  # the tags joined with their contexts (library.context_weight)
+    np.save(path, np.load(path, allow_pickle=False)[:-3])
+    unfinish(run, "coherence")
+
+
 def _vocab_embeddings_garbage(run):
     (run.output_dir("tag_vocab") / "_embeddings.npy").write_bytes(b"\x93NUMPY garbage, not an array")
     unfinish(run, "clusters")
@@ -272,6 +278,8 @@ TRAINED_CASES = [
                  id="vocab-embeddings-wrong-shape"),
     pytest.param(_vocab_embeddings_garbage, "cluster", ("tag_vocab/_embeddings.npy", "unreadable"),
                  id="vocab-embeddings-garbage"),
+    pytest.param(_clustered_vectors_short, "coherence", ("clusters/_vectors.npy", "rerun the cluster stage"),
+                 id="clustered-vectors-wrong-shape"),
     pytest.param(_targets_missing_split, "train_annotator",
                  ("targets/part-00000.parquet", "missing column(s) ['split']"), id="targets-part-wrong-schema"),
     pytest.param(_sweep_invalid_json, "library", ("clusters/_sweep.json", "not valid JSON"), id="sweep-json-damaged"),

@@ -147,3 +147,47 @@ def test_k_grid_default():
         assert grid and grid == sorted(set(grid)) and len(grid) <= 6
         assert all(max(2, n // 200) <= k <= max(2, n // 5) and 2 <= k < n for k in grid)
     assert k_grid(2, None) == []
+
+
+def test_joined_cosine_is_the_weighted_sum_of_the_tags_and_the_contexts():
+    from atlas.stages.cluster import join_context
+
+    rng = np.random.default_rng(1)
+    tags, context = rng.standard_normal((6, 12)), rng.standard_normal((6, 8))
+    context[5] = 0  # a tag none of whose chunks is in the run: its own embedding alone
+    joined = join_context(tags, context, 0.4)
+    assert joined.shape == (6, 20) and np.allclose(np.linalg.norm(joined, axis=1), 1, atol=1e-6)
+    cos_tags, cos_context = _unit(tags) @ _unit(tags).T, _unit(context[:5]) @ _unit(context[:5]).T
+    assert np.allclose((joined @ joined.T)[:5, :5], 0.6 * cos_tags[:5, :5] + 0.4 * cos_context, atol=1e-5)
+    assert np.allclose(joined[5, :12], _unit(tags[5:])[0], atol=1e-6) and not joined[5, 12:].any()
+    # two tags that look alike but are given to unrelated texts ("strip" in code, "reel" in film) part
+    look_alike = _unit(np.array([[1.0, 0.1], [1.0, -0.1]]))
+    far_contexts = np.array([[1.0, 0.0], [0.0, 1.0]])
+    apart = join_context(look_alike, far_contexts, 0.4)
+    assert apart[0] @ apart[1] < 0.7 < look_alike[0] @ look_alike[1]
+
+
+def test_a_tags_context_sample_spans_its_chunks():
+    from atlas.stages.cluster import spread
+
+    ids = [f"c{i:03d}" for i in range(100)]
+    assert spread(ids[:5], 32) == ids[:5]
+    sample = spread(ids, 32)
+    assert len(sample) == len(set(sample)) == 32 and sample[0] == ids[0] and sample[-1] == ids[-1]
+    assert sample == sorted(sample) and sample == spread(ids, 32)
+
+
+def test_tag_centroids_are_the_weighted_mean_tags_of_each_cluster():
+    from atlas.stages.cluster import tag_centroids
+
+    rng = np.random.default_rng(2)
+    tags = _unit(rng.standard_normal((9, 5))).astype(np.float16)
+    labels = np.array([0, 0, 1, 1, 1, 0, 2, 2, 0])
+    weights = np.array([1, 5, 1, 1, 2, 1, 3, 1, 1], dtype=np.float32)
+    centroids, similarity = tag_centroids(tags, labels, 4, weights)  # cluster 3 has no tag: a zero row
+    x = tags.astype(np.float32)
+    for k in range(3):
+        mean = (x[labels == k] * weights[labels == k, None]).sum(axis=0)
+        assert np.allclose(centroids[k], mean / np.linalg.norm(mean), atol=1e-6)
+    assert not centroids[3].any()
+    assert np.allclose(similarity, (_unit(x) * centroids[labels]).sum(axis=1), atol=1e-6)

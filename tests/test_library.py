@@ -78,6 +78,16 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
         assert not row["kept"] or cross is None or cross >= 0.035
         assert ("across tags=" in row["reason"]) == (cross is not None and cross < 0.035)
     clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").to_pydict()
+    # clustered with the tags' contexts, but the centroids and similarities written are the tag embeddings' own
+    assert sweep["context_weight"] == LibraryConfig().context_weight > 0
+    tag_vectors = np.load(run.root / "tag_vocab" / "_embeddings.npy").astype(np.float32)
+    tag_vectors /= np.linalg.norm(tag_vectors, axis=1, keepdims=True)
+    centroids = np.load(run.root / "clusters" / "_centroids.npy")
+    assert centroids.shape[1] == tag_vectors.shape[1]
+    joined = np.load(run.root / "clusters" / "_vectors.npy")  # what k-means fit, and the coherence test reads
+    assert joined.shape[0] == len(tag_vectors) > 0 and joined.shape[1] > tag_vectors.shape[1]
+    assert np.allclose(clusters["similarity"], (tag_vectors * centroids[clusters["cluster_id"]]).sum(axis=1),
+                       atol=1e-4)
     similarity = dict(zip(clusters["tag_norm"], clusters["similarity"]))
     floor = LibraryConfig().tag_min_similarity  # a tag at its cluster's edge inherits no concept
     assert any(similarity[row["tag_norm"]] < floor for row in mapping if row["cluster_id"] in kept)
@@ -89,7 +99,7 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     concept_of_cluster = {m: c["concept_id"] for c in concepts for m in c["merged_from"]}
     kept_ids = sorted(concept_of_cluster)
     similarity_to_kept = (np.load(run.root / "tag_vocab" / "_embeddings.npy").astype(np.float32)
-                          @ np.load(run.root / "clusters" / "_centroids.npy")[kept_ids].T)
+                          @ centroids[kept_ids].T)
     for row, similarities in zip(mapping, similarity_to_kept):
         nearest = [kept_ids[j] for j in np.argsort(-similarities, kind="stable")[:NEAR_SEARCHED]]
         near = next((concept_of_cluster[c] for c, s in zip(nearest, np.sort(similarities)[::-1])
@@ -106,6 +116,12 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     assert summary["relevance"]["is_proxy"] and summary["relevance"]["chunks_judged"] == 5
     assert main(["inspect", str(run.root), "library", "-n", "2"]) == 0
     assert "concept 0:" in capsys.readouterr().out
+
+    # clustered on the tag embeddings alone, no joined vectors of the fit before are left for the coherence test
+    alone = config.model_copy(update={"library": config.library.model_copy(update={"context_weight": 0.0})})
+    run_stages(alone, ["cluster"], force=True, log=lambda m: None)
+    assert not (run.root / "clusters" / "_vectors.npy").exists()
+    assert json.loads((run.root / "clusters" / "_sweep.json").read_text())["context_weight"] == 0
 
 
 def test_llm_engine_judges_coherence_and_names_concepts(tmp_path, labeled_docs):
