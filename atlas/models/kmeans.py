@@ -21,7 +21,7 @@ from sklearn.metrics import davies_bouldin_score, silhouette_score
 _NICE_MANTISSAS = (1, 2, 5, 10)
 
 
-def _normalize(x: np.ndarray) -> np.ndarray:
+def normalize_rows(x: np.ndarray) -> np.ndarray:
     """Return a float32 copy of ``x`` with unit-length rows (zero rows stay zero rather than becoming NaN)."""
     x = np.array(x, dtype=np.float32, copy=True, ndmin=2)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
@@ -74,7 +74,7 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
     if weights is not None and (np.shape(weights) != (n,) or not np.all(np.asarray(weights) > 0)):
         raise ValueError(f"weights must be {n} positive numbers, one per row; got shape {np.shape(weights)}")
     if k >= n:
-        return _normalize(x)
+        return normalize_rows(x)
     if n > k * max_points_per_centroid:  # sample here, so only the sampled rows of a memory map are ever read
         rows = np.sort(np.random.default_rng([seed, 3]).choice(n, k * max_points_per_centroid, replace=False))
         x = x[rows]
@@ -85,7 +85,7 @@ def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per
     km = faiss.Kmeans(d, k, niter=niter, seed=seed, spherical=True, max_points_per_centroid=max_points_per_centroid,
                       min_points_per_centroid=1, verbose=verbose, gpu=faiss.get_num_gpus() > 0)
     km.train(x, weights=None if weights is None else np.ascontiguousarray(weights, dtype=np.float32))
-    return _normalize(km.centroids)
+    return normalize_rows(km.centroids)
 
 
 def assign(x: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> tuple[np.ndarray, np.ndarray]:

@@ -141,11 +141,12 @@ class ClusterStage(Stage):
                    "seconds": round(time.perf_counter() - start, 3)}
             sweep.append(row)
         chosen = c.k or choose_k(sweep, c.k_tolerance)
-        if c.context_weight > 0:
+        with_contexts = c.context_weight > 0
+        if with_contexts:
             x = self._joined(run, tag_vectors, tmp, stats)
         centroids = kmeans(x, chosen, seed=c.seed, weights=weights)  # refit the chosen k
         labels, similarity = assign(x, centroids)
-        if x is not tag_vectors:  # names, near concepts and the similarity floor read the tags' own space
+        if with_contexts:  # names, near concepts and the similarity floor read the tags' own space
             centroids, similarity = tag_centroids(tag_vectors, labels, len(centroids), weights)
         stats.inc("k", len(centroids))
         stats.inc("clusters_non_empty", len(np.unique(labels)))
@@ -154,7 +155,7 @@ class ClusterStage(Stage):
                           "similarity": similarity.astype(np.float32), "count": vocab.column("count")},
                          schema=CLUSTER_SCHEMA)
         vectors = run.output_dir(self.output) / VECTORS_FILE
-        if x is not tag_vectors:  # the coherence test judges the clusters in the space they were made in
+        if with_contexts:  # the coherence test judges the clusters in the space they were made in
             vectors.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / "joined.npy", vectors)  # one file system: the rename is atomic
         else:
@@ -224,27 +225,25 @@ def spread(ids: list[str], n: int) -> list[str]:
 def join_context(tags: np.ndarray, context: np.ndarray, weight: float) -> np.ndarray:
     """Rows [sqrt(1 - weight) tag, sqrt(weight) context], each part of unit length first, then the row: cosine in
     the joined space is ``(1 - weight)`` x the tags' + ``weight`` x the contexts' (a tag without context: its own)."""
-    def unit(x):
-        norms = np.linalg.norm(x, axis=1, keepdims=True)
-        return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+    from atlas.models.kmeans import normalize_rows
 
-    joined = np.hstack([np.sqrt(1 - weight) * unit(tags), np.sqrt(weight) * unit(context)]).astype(np.float32)
-    return unit(joined)
+    return normalize_rows(np.hstack([np.sqrt(1 - weight) * normalize_rows(tags),
+                                     np.sqrt(weight) * normalize_rows(context)]))
 
 
 def tag_centroids(tag_vectors: np.ndarray, labels: np.ndarray, k: int,
                   weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Each cluster's (weighted) mean tag embedding, of unit length, and each tag's cosine to its cluster's."""
+    from atlas.models.kmeans import normalize_rows
+
     sums = np.zeros((k, tag_vectors.shape[1]), dtype=np.float64)
     for start in range(0, len(labels), BLOCK_ROWS):
         rows = float_rows(tag_vectors, np.arange(start, min(start + BLOCK_ROWS, len(labels))))
         w = np.ones(len(rows)) if weights is None else weights[start:start + len(rows)]
         np.add.at(sums, labels[start:start + len(rows)], rows * w[:, None])
-    norms = np.linalg.norm(sums, axis=1, keepdims=True)
-    centroids = np.divide(sums, norms, out=np.zeros_like(sums), where=norms > 0).astype(np.float32)
+    centroids = normalize_rows(sums)
     similarity = np.empty(len(labels), dtype=np.float32)
     for start in range(0, len(labels), BLOCK_ROWS):
-        rows = float_rows(tag_vectors, np.arange(start, min(start + BLOCK_ROWS, len(labels))))
-        rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        rows = normalize_rows(float_rows(tag_vectors, np.arange(start, min(start + BLOCK_ROWS, len(labels)))))
         similarity[start:start + len(rows)] = (rows * centroids[labels[start:start + len(rows)]]).sum(axis=1)
     return centroids, similarity
