@@ -216,6 +216,9 @@ class LibraryConfig(Section):
     # The same excess over the pairs of a cluster's chunks that share none of its tags must reach this: tags that
     # only look alike ("strip", "nl wrap", "reel") each have cohesive chunks, but not across them. 0: no such test.
     min_cross_tag_cohesion: float = Field(default=0.035, ge=0, lt=1)
+    # A concept must be on at least this many chunks: a cluster of the tags of one or two chunks (with contexts, their
+    # tags share one context and cluster together) names those chunks, not something the corpus has. 1: no such test.
+    min_concept_chunks: int = Field(default=5, ge=1)
     # A tag inherits its cluster's concept only when its cosine to the cluster's centroid reaches this: the tags at a
     # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
     tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)

@@ -128,7 +128,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def _describe_difference(old: dict, new: dict) -> str:
-    a, b = _flatten(old), _flatten(new)
+    """The keys whose values differ between a recorded identity (read from JSON) and a new one, which is compared as
+    it would be recorded: a tuple reads back as a list, and is no difference."""
+    a, b = _flatten(old), _flatten(json.loads(json.dumps(new, default=str)))  # as stable_hash reads it
     lines = [f"    {k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}"
              for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
     return "\n".join(lines[:10]) or "    (the stages before it changed)"

@@ -77,7 +77,20 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
         cross = row["cross_tag_cohesion"]  # and so do their chunks of different tags
         assert not row["kept"] or cross is None or cross >= 0.035
         assert ("across tags=" in row["reason"]) == (cross is not None and cross < 0.035)
+    # and a concept is on at least library.min_concept_chunks chunks (n_chunks: those of the tags that inherit it)
     clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").to_pydict()
+    vocab_chunks = pq.read_table(run.root / "tag_vocab" / "part-00000.parquet", columns=["tag_norm", "chunk_ids"])
+    chunks_of_tag = dict(zip(*vocab_chunks.to_pydict().values()))
+    covered = {cluster: set() for cluster in coherence}  # through the tags that will inherit the concept
+    for tag, cluster, tag_similarity in zip(clusters["tag_norm"], clusters["cluster_id"], clusters["similarity"]):
+        if tag_similarity >= LibraryConfig().tag_min_similarity:
+            covered[cluster].update(chunks_of_tag[tag])
+    floor_chunks = LibraryConfig().min_concept_chunks
+    assert {cluster: len(chunks) for cluster, chunks in covered.items()} == {
+        cluster: row["n_chunks"] for cluster, row in coherence.items()}
+    assert any(row["n_chunks"] < floor_chunks for row in coherence.values())  # the test drops some here
+    for row in coherence.values():
+        assert ("covered=" in row["reason"]) == (row["n_chunks"] < floor_chunks)
     # clustered with the tags' contexts, but the centroids and similarities written are the tag embeddings' own
     assert sweep["context_weight"] == LibraryConfig().context_weight > 0
     tag_vectors = np.load(run.root / "tag_vocab" / "_embeddings.npy").astype(np.float32)

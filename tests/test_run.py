@@ -260,3 +260,12 @@ def test_the_full_hash_is_cached_by_size_times_and_inode_and_copies_keep_the_run
     os.replace(tmp_path / "copy.parquet", path)
     assert main(["run", str(config_path), "--inline", "--stages", "chunk"]) == 0
     assert "chunk: already done" in capsys.readouterr().out
+
+
+def test_a_refusal_lists_only_the_values_that_changed():
+    from atlas.runner import _describe_difference
+
+    recorded = json.loads(json.dumps({"curve": ((0.0, 1.0), (3.0, 6.5)), "version": 3, "path": "runs/x"}))
+    new = {"curve": ((0.0, 1.0), (3.0, 6.5)), "version": 4, "min_chunks": 5}
+    assert _describe_difference(recorded, new).splitlines() == [  # a tuple read back from JSON is the same list
+        "    min_chunks: null -> 5", "    path: \"runs/x\" -> null", "    version: 3 -> 4"]
