@@ -12,6 +12,7 @@ CHUNKS = "chunks"
 TAGS = "tags"
 TAG_VOCAB = "tag_vocab"
 CLUSTERS = "clusters"
+CLUSTER_VECTORS = "_vectors.npy"  # in clusters/: what k-means fit, read by coherence (see atlas/stages/cluster.py)
 COHERENCE = "coherence"
 LABELS = "labels"
 LIBRARY = "library"

@@ -72,7 +72,6 @@ CLUSTER_VERSION = 2  # 2: tags placed by their chunks too (library.context_weigh
 CONTEXT_SAMPLE = 32  # chunks whose mean embedding is a tag's context (evenly spaced over its sorted chunk ids)
 CONTEXT_TAGS_PER_PASS = 8192  # tags whose context samples are held at a time (at most 32 chunk ids each)
 BLOCK_ROWS = 65536  # tag rows averaged at a time for the centroids
-VECTORS_FILE = "_vectors.npy"  # what k-means fit, when it is not the vocabulary's embeddings (coherence reads it)
 CLUSTER_SCHEMA = pa.schema(
     [("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("similarity", pa.float32()), ("count", pa.int64())]
 )
@@ -154,7 +153,7 @@ class ClusterStage(Stage):
         table = pa.table({"tag_norm": vocab.column("tag_norm"), "cluster_id": labels.astype(np.int64),
                           "similarity": similarity.astype(np.float32), "count": vocab.column("count")},
                          schema=CLUSTER_SCHEMA)
-        vectors = run.output_dir(self.output) / VECTORS_FILE
+        vectors = run.output_dir(self.output) / layout.CLUSTER_VECTORS
         if with_contexts:  # the coherence test judges the clusters in the space they were made in
             vectors.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / "joined.npy", vectors)  # one file system: the rename is atomic

@@ -188,7 +188,7 @@ class CoherenceStage(Stage):
 
         c = self.config.library
         vocab, vectors = load_vocab(run, ["n_chunks"])  # float16, memory-mapped: only the rows scored are read
-        clustered = run.output_dir(layout.CLUSTERS) / "_vectors.npy"  # the tags joined with their contexts, if so
+        clustered = run.output_dir(layout.CLUSTERS) / layout.CLUSTER_VECTORS  # tags joined with their contexts
         if clustered.exists():  # judged in the space k-means made the clusters in (see atlas/stages/cluster.py)
             vectors = np.load(clustered, mmap_mode="r", allow_pickle=False)
             if vectors.ndim != 2 or len(vectors) != vocab.num_rows:
