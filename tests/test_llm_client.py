@@ -67,13 +67,16 @@ def latency_of(seconds: dict[str, float], default: float):
 
 
 def test_the_window_keeps_max_concurrency_requests_in_flight_across_the_shard():
-    n, c, latency = 48, 4, 0.1
+    n, c, latency = 40, 4, 0.2
     with FaultServer(latency=lambda body: latency) as server:
         order, counters, elapsed = ask(engine(server, max_concurrency=c), n)
     assert sorted(order) == [(i, 1) for i in range(n)] and len(server.requests) == n
     assert server.max_in_flight == c
-    ideal = n * latency / c  # C requests in flight all the time
-    assert ideal <= elapsed < 1.5 * ideal + 0.3, (elapsed, ideal)
+    # C in flight all the time takes n * latency / C (2 s); one at a time takes n * latency (8 s). The bound between
+    # them is loose on purpose: a loaded CI machine adds client time between answers, but never halves the overlap
+    # (a tighter bound, 1.5x the ideal, failed once at 2.15 s against 2.1). That the window refills slot by slot,
+    # not batch by batch, the next test reads from the order of the answers.
+    assert n * latency / c <= elapsed < n * latency / 2, elapsed
 
 
 def test_a_slow_request_holds_only_its_own_slot():

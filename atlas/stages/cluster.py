@@ -26,6 +26,15 @@ concept library"). The sweep itself stays unweighted: scored with the weighted f
 (0.078, against 0.073 at 1,000), and 500 weighted concepts were less topical than 1,000 (homogeneity 0.91 and
 0.89 of k-means on code and MATH).
 
+**Started from k-means++** (``library.kmeans_init``, the default; ``random``: FAISS' random tags). The chosen k's fit
+starts from scikit-learn's k-means++ seeding (centroids drawn apart, each with odds by its distance to those already
+drawn) on the fit's sample. From random tags, k-means ends in a poorer optimum at k = 1,000, and more iterations do
+not climb out of it: on the dev corpus the weighted mean cosine of a tag to its centroid is 0.688 from random starts
+(0.688 with 60 iterations instead of 20) and 0.710 from k-means++, two seeds' partitions agree at an adjusted Rand
+index of 0.35 and 0.46, and the concepts are more topical (README, "The concept library"). It costs 40 s there on 2
+CPU cores (the fit itself 13 s), and grows as k x the sample; the sweep's fits start at random, as they only rank the
+k's.
+
 **Tags placed by their chunks too** (``library.context_weight``, 0.4 by default; 0: the tag embeddings alone). A tag's
 embedding says what its words mean, not what the texts it was given to are about: "afp" sat with "type ub" and "ulm",
 "strip" with "reel" and "nl wrap", a company's name with other names rather than with its business. So the chosen k
@@ -102,7 +111,7 @@ class ClusterStage(Stage):
         context = {"context_weight": c.context_weight, "context_encoder": self.config.annotator.encoder,
                    "context_sample": CONTEXT_SAMPLE} if c.context_weight > 0 else {}
         return {"version": CLUSTER_VERSION, "seed": c.seed, "ks": c.ks, "k": c.k, "k_tolerance": c.k_tolerance,
-                "sweep_seeds": c.sweep_seeds, "weights": c.cluster_weights} | context
+                "sweep_seeds": c.sweep_seeds, "weights": c.cluster_weights, "init": c.kmeans_init} | context
 
     def setup(self) -> None:
         self.chunk_encoder = Embedder(self.config.annotator.encoder)  # loaded only if a chunk is not in the cache
@@ -143,7 +152,7 @@ class ClusterStage(Stage):
         with_contexts = c.context_weight > 0
         if with_contexts:
             x = self._joined(run, tag_vectors, tmp, stats)
-        centroids = kmeans(x, chosen, seed=c.seed, weights=weights)  # refit the chosen k
+        centroids = kmeans(x, chosen, seed=c.seed, weights=weights, init=c.kmeans_init)  # refit the chosen k
         labels, similarity = assign(x, centroids)
         if with_contexts:  # names, near concepts and the similarity floor read the tags' own space
             centroids, similarity = tag_centroids(tag_vectors, labels, len(centroids), weights)
@@ -162,7 +171,7 @@ class ClusterStage(Stage):
         atomic_write_parquet(run.part_path(self.output, 0), table)
         atomic_write_npy(run.output_dir(self.output) / "_centroids.npy", centroids.astype(np.float32))
         atomic_write_json(run.output_dir(self.output) / "_sweep.json",
-                          {"chosen_k": chosen, "final_fit_weights": c.cluster_weights,
+                          {"chosen_k": chosen, "final_fit_weights": c.cluster_weights, "final_fit_init": c.kmeans_init,
                            "context_weight": c.context_weight, "sweep": sweep})
         self._plot(run, sweep, chosen)
         return stats

@@ -8,11 +8,12 @@ Both commands read a ground-truth label from the chunks' metadata (``--label-fie
   embedding (the mean of its chunks' L2-normalized embeddings, re-normalized): both accuracies, their ratio
   concept / raw, and the majority baseline;
 - homogeneity, NMI and purity of each document's top concept against its label, and the same for a plain
-  clustering baseline: k-means on the source's chunk embeddings with k = the number of distinct top concepts, each
-  document in the cluster most of its chunks fall in (the table's figures are the means over ``KMEANS_SEEDS`` seeded
-  runs, an estimate of what plain clustering gives rather than one draw of it; the standard deviation of its
-  homogeneity over the seeds is printed beside it, the noise a gap is read against), and the ratio's interval over
-  a paired bootstrap of the documents (``BOOTSTRAP_DRAWS``), the noise of the labelled sample;
+  clustering baseline: k-means (from k-means++ starts) on the source's chunk embeddings with k = the number of
+  distinct top concepts, each document in the cluster most of its chunks fall in (the table's figures are the means
+  over ``KMEANS_SEEDS`` seeded runs, an estimate of what plain clustering gives rather than one draw of it; the
+  standard deviation of its homogeneity over the seeds is printed beside it, the noise a gap is read against), and
+  the ratio's interval over a paired bootstrap of the documents (``BOOTSTRAP_DRAWS``), the noise of the labelled
+  sample;
 - an overall line: means over the sources, whether every source's top concepts are at least as homogeneous as
   k-means, and which sources are below it by more than the sample's noise (the whole interval under 1).
 
@@ -73,7 +74,8 @@ PROBE_BATCH = 4096  # chunks per call of the annotator's heads (bounds the auxil
 TOP_CANDIDATES = 20
 # In both reports (eval_version): a report written by other rules is not read as this version's (the concept-seed
 # bench evaluates such a seed again). 2: TOP_CANDIDATES 20 (1: 5). 3: top concepts re-assigned by their documents.
-EVAL_VERSION = 3
+# 4: the k-means baseline starts from k-means++ (see _kmeans_clusters).
+EVAL_VERSION = 4
 CANDIDATE_MIN_LIFT = 2.0  # a candidate is at least twice as likely in the document as in the corpus
 # The top concepts are then re-assigned, a document at a time, until no document moves (see _reassign); on the dev
 # corpus that takes 10-13 passes. The cap only bounds a run that would not settle.
@@ -131,7 +133,8 @@ def per_source_table(doc_ids, embeddings, concepts, labels, sources, *, concept_
         folds: folds of the probes' StratifiedKFold (fewer only when the largest label has fewer documents).
         seed: seeds the folds and k-means (run with this seed and the next ``KMEANS_SEEDS - 1``: the figures are
             the means over the runs).
-        kmeans_restarts: k-means runs per source (the one with the lowest objective is kept).
+        kmeans_restarts: k-means runs per source and seed, each from k-means++ starts (the one with the best
+            objective is kept).
         tags: optional [n_chunks, n_tags] counts of each chunk's tags (scipy sparse), or a function returning them:
             the same probe on the document's tag shares is reported beside the others (``tags_accuracy``). Tags
             are what a library's hard tag -> concept map starts from, so this probe says how much of the gap to
@@ -500,20 +503,26 @@ def _kmeans_documents(chunk_vectors: np.ndarray, chunk_doc: np.ndarray, n: int, 
 
 
 def _kmeans_clusters(x: np.ndarray, k: int, seed: int, restarts: int) -> np.ndarray:
-    """Spherical k-means (FAISS, seeded, ``restarts`` runs) of unit rows ``x``: each row's cluster id."""
-    import faiss
+    """Spherical k-means of unit rows ``x`` from k-means++ starts (the best of ``restarts`` seeded runs): each row's
+    cluster id. k-means++ is what plain clustering starts from (scikit-learn's KMeans, so BERTopic's): FAISS' random
+    starts, the baseline of eval version 3, read 5% lower homogeneity on the dev corpus' AG News (0.760 against
+    scikit-learn's default 0.800 at k 123, where a cluster holds 4-5 one-chunk stories), and within 0.01 of it on the
+    other labelled sources."""
+    from atlas.models.kmeans import assign, kmeans
 
     n = len(x)
     if k <= 1:
         return np.zeros(n, dtype=np.int64)
     if k >= n:  # as many clusters as chunks: each its own
         return np.arange(n, dtype=np.int64)
-    km = faiss.Kmeans(x.shape[1], k, niter=25, nredo=max(1, restarts), seed=seed, spherical=True,
-                      max_points_per_centroid=max(256, n), min_points_per_centroid=1, verbose=False)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    km.train(x)
-    _, ids = km.index.search(x, 1)
-    return ids[:, 0].astype(np.int64)
+    best, best_cohesion = None, -np.inf
+    for restart in range(max(1, restarts)):  # seeds seed * restarts + 0, 1, ...: distinct for consecutive seeds
+        centroids = kmeans(x, k, seed=seed * restarts + restart, niter=25, max_points_per_centroid=max(256, n),
+                           init="k-means++")
+        ids, similarity = assign(x, centroids)
+        if similarity.sum() > best_cohesion:  # the spherical objective: the highest total cosine to the centroids
+            best, best_cohesion = ids, float(similarity.sum())
+    return best
 
 
 def _weighted_homogeneity(labels: np.ndarray, groups: np.ndarray, weights: np.ndarray, block: int = 64) -> np.ndarray:
