@@ -227,10 +227,14 @@ class LibraryConfig(Section):
     # A tag inherits its cluster's concept only when its cosine to the cluster's centroid reaches this: the tags at a
     # cluster's edge are often another sense of a word ("inequality" of incomes in a cluster of math inequalities).
     tag_min_similarity: float = Field(default=0.55, ge=-1, le=1)
+    # With contexts (context_weight > 0) a tag also inherits it when its cosine to the centroid in the space k-means
+    # fit (the tag joined with its chunks) reaches this: a tag clustered by its chunks ("nci guideline" with
+    # mammography) is not at its cluster's edge though its words are. Near concepts are found in that space too.
+    joined_min_similarity: float = Field(default=0.5, ge=-1, le=1)
     # A tag also counts this much of a vote, in the library's reading of a chunk (atlas eval library), for its near
-    # concept: that of the nearest other kept cluster at tag_min_similarity or more (a tag between two topics, or
-    # one whose cluster was dropped). Read when the library is read, by no stage: the annotator's targets are the
-    # tags' own concepts. 0: own concepts only.
+    # concept: that of the nearest other kept cluster at tag_min_similarity or more (with contexts: in the space
+    # k-means fit, at joined_min_similarity) (a tag between two topics, or one whose cluster was dropped). Read when
+    # the library is read, by no stage: the annotator's targets are the tags' own concepts. 0: own concepts only.
     near_concept_weight: float = Field(default=0.5, ge=0, le=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
     # Offline names prefer a top tag that is a Library of Congress subject heading ("army" over "austrian infantry"

@@ -12,6 +12,7 @@ from test_tag_stage import openai_sections
 from atlas.cli import main
 from atlas.config import LibraryConfig, load_config
 from atlas.core.rundir import RunDir
+from atlas.io.library import inherits, inherits_sql
 from atlas.models.embedder import mean_pairwise_cosine
 from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
@@ -82,8 +83,12 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     vocab_chunks = pq.read_table(run.root / "tag_vocab" / "part-00000.parquet", columns=["tag_norm", "chunk_ids"])
     chunks_of_tag = dict(zip(*vocab_chunks.to_pydict().values()))
     covered = {cluster: set() for cluster in coherence}  # through the tags that will inherit the concept
-    for tag, cluster, tag_similarity in zip(clusters["tag_norm"], clusters["cluster_id"], clusters["similarity"]):
-        if tag_similarity >= LibraryConfig().tag_min_similarity:
+    floor, joined_floor = LibraryConfig().tag_min_similarity, LibraryConfig().joined_min_similarity
+    inheriting = {tag for tag, similarity, joined in zip(clusters["tag_norm"], clusters["similarity"],
+                                                         clusters["joined_similarity"])
+                  if similarity >= floor or joined >= joined_floor}
+    for tag, cluster in zip(clusters["tag_norm"], clusters["cluster_id"]):
+        if tag in inheriting:
             covered[cluster].update(chunks_of_tag[tag])
     floor_chunks = LibraryConfig().min_concept_chunks
     assert {cluster: len(chunks) for cluster, chunks in covered.items()} == {
@@ -101,22 +106,34 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     assert joined.shape[0] == len(tag_vectors) > 0 and joined.shape[1] > tag_vectors.shape[1]
     assert np.allclose(clusters["similarity"], (tag_vectors * centroids[clusters["cluster_id"]]).sum(axis=1),
                        atol=1e-4)
-    similarity = dict(zip(clusters["tag_norm"], clusters["similarity"]))
-    floor = LibraryConfig().tag_min_similarity  # a tag at its cluster's edge inherits no concept
-    assert any(similarity[row["tag_norm"]] < floor for row in mapping if row["cluster_id"] in kept)
+    # and each tag's cosine to its cluster's mean joined vector (the count-weighted mean, of unit length)
+    joined = joined.astype(np.float32)
+    joined_centroids = np.load(run.root / "clusters" / "_joined_centroids.npy")
+    weighted = np.zeros_like(joined_centroids, dtype=np.float64)
+    np.add.at(weighted, clusters["cluster_id"], joined * np.asarray(clusters["count"])[:, None])
+    assert np.allclose(joined_centroids, weighted / np.linalg.norm(weighted, axis=1, keepdims=True).clip(1e-12),
+                       atol=1e-4)
+    assert np.allclose(clusters["joined_similarity"], (joined * joined_centroids[clusters["cluster_id"]]).sum(axis=1),
+                       atol=1e-3)
+    # a tag at its cluster's edge in both spaces inherits no concept; one near it in either does
+    in_kept = [row for row in mapping if row["cluster_id"] in kept]
+    assert any(row["tag_norm"] not in inheriting for row in in_kept)
+    tag_similarity = dict(zip(clusters["tag_norm"], clusters["similarity"]))
+    rescued = [row for row in in_kept if row["tag_norm"] in inheriting and tag_similarity[row["tag_norm"]] < floor]
+    assert rescued and all(row["concept_id"] is not None for row in rescued)  # placed there by its chunks
     for row in mapping:
-        assert (row["concept_id"] is None) == (row["cluster_id"] not in kept or similarity[row["tag_norm"]] < floor)
-    # a tag's near concept: that of its nearest kept cluster of another concept, at the floor or above (numpy here)
+        assert (row["concept_id"] is None) == (row["cluster_id"] not in kept or row["tag_norm"] not in inheriting)
+    # a tag's near concept: that of its nearest kept cluster of another concept, at the floor or above, in the space
+    # k-means fit (numpy here)
     vocab = pq.read_table(run.root / "tag_vocab" / "part-00000.parquet", columns=["tag_norm"]).column(0).to_pylist()
     assert vocab == [row["tag_norm"] for row in mapping]
     concept_of_cluster = {m: c["concept_id"] for c in concepts for m in c["merged_from"]}
     kept_ids = sorted(concept_of_cluster)
-    similarity_to_kept = (np.load(run.root / "tag_vocab" / "_embeddings.npy").astype(np.float32)
-                          @ centroids[kept_ids].T)
+    similarity_to_kept = joined @ joined_centroids[kept_ids].T
     for row, similarities in zip(mapping, similarity_to_kept):
         nearest = [kept_ids[j] for j in np.argsort(-similarities, kind="stable")[:NEAR_SEARCHED]]
         near = next((concept_of_cluster[c] for c, s in zip(nearest, np.sort(similarities)[::-1])
-                     if s >= floor and concept_of_cluster[c] != row["concept_id"]), None)
+                     if s >= joined_floor and concept_of_cluster[c] != row["concept_id"]), None)
         assert row["near_concept_id"] == near
     assert any(row["near_concept_id"] is not None for row in mapping)
     assert (run.root / "report" / "k_sweep.png").exists() and (run.root / "report" / "concept_map.png").exists()
@@ -134,6 +151,9 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     alone = config.model_copy(update={"library": config.library.model_copy(update={"context_weight": 0.0})})
     run_stages(alone, ["cluster"], force=True, log=lambda m: None)
     assert not (run.root / "clusters" / "_vectors.npy").exists()
+    assert not (run.root / "clusters" / "_joined_centroids.npy").exists()
+    alone_clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").column("joined_similarity")
+    assert alone_clusters.null_count == len(alone_clusters)  # one space: the tag floor alone decides
     assert json.loads((run.root / "clusters" / "_sweep.json").read_text())["context_weight"] == 0
 
 
@@ -194,6 +214,17 @@ def test_small_pieces():
     assert cross_tag_cohesion(chunks, [("strip",)] * 6, 0.0) is None  # one tag: nothing across tags
     assert make_unique(["python", "python", "python"], [["python", "snake"], ["python", "snake"], []]) == [
         "python", "python (snake)", "python 2"]
+    # a tag inherits when either cosine reaches its floor (0.55 as words, 0.5 joined); without contexts (null), the
+    # words' alone; the SQL condition the coherence and library stages count chunks with says the same (DuckDB)
+    import duckdb
+
+    library = LibraryConfig()
+    cases = [(0.60, None), (0.50, None), (0.50, 0.52), (0.50, 0.45), (0.60, 0.10)]
+    assert [inherits(s, j, library) for s, j in cases] == [True, False, True, False, True]
+    values = ", ".join(f"({s}, {'NULL' if j is None else j})" for s, j in cases)
+    rows = duckdb.sql(f"SELECT {inherits_sql(library, 'k')} FROM (VALUES {values}) k(similarity, joined_similarity)"
+                      ).fetchall()
+    assert [r[0] for r in rows] == [True, False, True, False, True]
 
 
 def test_offline_names_are_representative_distinctive_and_valid():

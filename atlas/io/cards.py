@@ -66,7 +66,8 @@ COLUMNS = {
     "file": "input file", "row": "row in the file",
 }
 TABLE_COLUMNS = {  # where a column means something else in one table (key: as in ROWS)
-    layout.CLUSTERS: {"count": "occurrences of the tag"},
+    layout.CLUSTERS: {"count": "occurrences of the tag",
+                      "joined_similarity": "cosine to its centroid in the space k-means fit (null: no contexts)"},
     layout.COHERENCE: {"count": "tag occurrences in the cluster", "reason": "why it was dropped (kept: empty)"},
     layout.LABELS: {"name": "cluster name", "count": "tag occurrences in the cluster"},
     layout.TARGETS: {"concepts": "inherited ids of all domains"},

@@ -26,6 +26,21 @@ TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.
                                    ("near_concept_id", pa.int64())])
 
 
+def inherits(similarity: float, joined_similarity: float | None, library) -> bool:
+    """Whether a tag of a kept cluster inherits its concept (``library``: the library config): its cosine to the
+    cluster's centroid reaches ``tag_min_similarity``, or, clustered with contexts, its cosine in the space k-means fit
+    (``joined_similarity`` of clusters/, null without contexts) reaches ``joined_min_similarity``. Below both it is at
+    the cluster's edge, often another sense of a word."""
+    return similarity >= library.tag_min_similarity or (joined_similarity is not None
+                                                         and joined_similarity >= library.joined_min_similarity)
+
+
+def inherits_sql(library, table: str) -> str:
+    """:func:`inherits` as a SQL condition on the columns of clusters/ read as ``table``."""
+    return (f"({table}.similarity >= {float(library.tag_min_similarity)!r} OR "
+            f"coalesce({table}.joined_similarity >= {float(library.joined_min_similarity)!r}, false))")
+
+
 def load_library(run: RunDir) -> tuple[list[dict], dict]:
     """The concepts (rows of concepts.parquet, by concept id) and config.json, checked against each other."""
     folder = run.output_dir(layout.LIBRARY)

@@ -46,14 +46,18 @@ chose 500: coarser concepts). The coherence stage's tag-set test reads the joine
 its null drawn from them, so a cluster is judged in the space it was made in; judged on the tags alone, topics whose
 tags are not alike as strings fail ("cup, hart trophy, louis arena, playoff win": the Detroit Red Wings) and 41% of
 the clusters were dropped. The centroids and similarities written are the tag embeddings' own (each cluster's
-occurrence-weighted mean tag), which names, near concepts and ``library.tag_min_similarity`` read as before. What it
-changed on the dev corpus and on other documents of its sources is in README, "The concept library", and
-docs/quality.md.
+occurrence-weighted mean tag), which names read. Each tag's cosine to its cluster's centroid in the joined space
+(``joined_similarity``; the centroids: ``_joined_centroids.npy``) is written too: a tag inherits its cluster's concept
+when either cosine reaches its floor (``library.tag_min_similarity``, ``library.joined_min_similarity``), and its near
+concept is found in the joined space (library stage). What it changed on the dev corpus and on other documents of its
+sources is in README, "The concept library", and docs/quality.md.
 
-    clusters/part-00000.parquet   tag_norm, cluster_id, similarity (to its centroid), count
+    clusters/part-00000.parquet   tag_norm, cluster_id, similarity (to its centroid), count, joined_similarity (to
+                                  its centroid in the space k-means fit; null without contexts)
     clusters/_centroids.npy       float32 [k, d]: each cluster's mean tag embedding
     clusters/_vectors.npy         float16 [tags, d + d_chunk]: what k-means fit, the tags joined with their contexts
                                   (only with library.context_weight > 0)
+    clusters/_joined_centroids.npy  float32 [k, d + d_chunk]: each cluster's mean joined vector (likewise)
     clusters/_sweep.json          one row per k: silhouette, davies_bouldin, cohesion, seconds
     report/k_sweep.png
 """
@@ -77,12 +81,13 @@ from atlas.io.outofcore import LIST_BUDGET, budget_slices, duckdb_session, scrat
 from atlas.io.tags import float_rows, load_vocab
 from atlas.models.embedder import Embedder, embed_chunks
 
-CLUSTER_VERSION = 2  # 2: tags placed by their chunks too (library.context_weight)
+CLUSTER_VERSION = 3  # 2: tags placed by their chunks too (library.context_weight); 3: joined_similarity
 CONTEXT_SAMPLE = 32  # chunks whose mean embedding is a tag's context (evenly spaced over its sorted chunk ids)
 CONTEXT_TAGS_PER_PASS = 8192  # tags whose context samples are held at a time (at most 32 chunk ids each)
 BLOCK_ROWS = 65536  # tag rows averaged at a time for the centroids
 CLUSTER_SCHEMA = pa.schema(
-    [("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("similarity", pa.float32()), ("count", pa.int64())]
+    [("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("similarity", pa.float32()), ("count", pa.int64()),
+     ("joined_similarity", pa.float32())]
 )
 
 
@@ -154,20 +159,26 @@ class ClusterStage(Stage):
             x = self._joined(run, tag_vectors, tmp, stats)
         centroids = kmeans(x, chosen, seed=c.seed, weights=weights, init=c.kmeans_init)  # refit the chosen k
         labels, similarity = assign(x, centroids)
-        if with_contexts:  # names, near concepts and the similarity floor read the tags' own space
+        joined_similarity = None  # without contexts there is one space: null
+        if with_contexts:  # names read the tags' own space; the similarity floors and near concepts both (docstring)
+            joined_centroids, joined_similarity = tag_centroids(x, labels, len(centroids), weights)
             centroids, similarity = tag_centroids(tag_vectors, labels, len(centroids), weights)
         stats.inc("k", len(centroids))
         stats.inc("clusters_non_empty", len(np.unique(labels)))
 
         table = pa.table({"tag_norm": vocab.column("tag_norm"), "cluster_id": labels.astype(np.int64),
-                          "similarity": similarity.astype(np.float32), "count": vocab.column("count")},
-                         schema=CLUSTER_SCHEMA)
-        vectors = run.output_dir(self.output) / layout.CLUSTER_VECTORS
+                          "similarity": similarity.astype(np.float32), "count": vocab.column("count"),
+                          "joined_similarity": pa.nulls(len(labels), pa.float32()) if joined_similarity is None
+                          else joined_similarity.astype(np.float32)}, schema=CLUSTER_SCHEMA)
+        folder = run.output_dir(self.output)
+        vectors, joined = folder / layout.CLUSTER_VECTORS, folder / layout.CLUSTER_JOINED_CENTROIDS
         if with_contexts:  # the coherence test judges the clusters in the space they were made in
             vectors.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / "joined.npy", vectors)  # one file system: the rename is atomic
-        else:
-            vectors.unlink(missing_ok=True)  # the vectors of an earlier fit with contexts would be read instead
+            atomic_write_npy(joined, joined_centroids.astype(np.float32))
+        else:  # the files of an earlier fit with contexts would be read instead
+            vectors.unlink(missing_ok=True)
+            joined.unlink(missing_ok=True)
         atomic_write_parquet(run.part_path(self.output, 0), table)
         atomic_write_npy(run.output_dir(self.output) / "_centroids.npy", centroids.astype(np.float32))
         atomic_write_json(run.output_dir(self.output) / "_sweep.json",

@@ -47,10 +47,11 @@ certificate; "strip"), 7 mixed or vague ("gate", "reuters", "value", "system") a
 era). With both chunk tests and the tag-set test the stage drops 17.7% of the clusters (the paper's LLM judge: 21%).
 
 **Chunks covered** (every engine). A concept must be on at least ``library.min_concept_chunks`` (5) distinct chunks
-(``n_chunks``: those of the cluster's tags that will inherit its concept, at ``library.tag_min_similarity`` or more
-to its centroid). With contexts, the tags of one chunk share its embedding as their context and cluster together: on
-the dev corpus (seed 0) 51 of the 951 content concepts were on fewer than 5 chunks, and they read as the tags of a
-chunk or two, not as something the corpus has ("expert colonel"; "mort": mort sahl, american mein kampf, angry
+(``n_chunks``: those of the cluster's tags that will inherit its concept: at ``library.tag_min_similarity`` or more
+to its centroid, or at ``library.joined_min_similarity`` in the space k-means fit; see the library stage). With
+contexts, the tags of one chunk share its embedding as their context and cluster together: on the dev corpus (seed
+0) 51 of the 951 content concepts were on fewer than 5 chunks, and they read as the tags of a chunk or two, not as
+something the corpus has ("expert colonel"; "mort": mort sahl, american mein kampf, angry
 volume; "casino": fist pump, important thing, monopoly money); the annotator would have a handful of chunks to learn
 each from. A concept of one long document stays ("tqdm" in the demo: 16 chunks of its README).
 
@@ -77,6 +78,7 @@ from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
+from atlas.io.library import inherits_sql
 from atlas.io.outofcore import (
     PAIRS_PER_PASS,
     budget_slices,
@@ -168,6 +170,7 @@ class CoherenceStage(Stage):
         identity = {"version": COHERENCE_VERSION, "seed": c.seed, "strata_size": c.strata_size,
                     "thresholds": [c.core_min, c.random_min, c.edge_min], "min_chunk_cohesion": c.min_chunk_cohesion,
                     "min_cross_tag_cohesion": c.min_cross_tag_cohesion, "min_concept_chunks": c.min_concept_chunks,
+                    "inherit_floors": [c.tag_min_similarity, c.joined_min_similarity],
                     "chunk_encoder": self.config.annotator.encoder, "cohesion_sample": COHESION_SAMPLE}
         if self.config.llm.engine == "offline":
             return identity | {"offline_null": {"sets": NULL_SETS, "curve": OFFLINE_SCORE_CURVE}}
@@ -248,7 +251,8 @@ class CoherenceStage(Stage):
         with scratch(tmp):
             with duckdb_session(tmp, memory_gb) as con:
                 vocab = f"read_parquet({sql_list([run.part_path(layout.TAG_VOCAB, 0)])})"
-                con.execute(f"CREATE VIEW tag_chunks AS SELECT k.cluster_id, k.similarity, v.tag_norm, v.chunk_ids "
+                con.execute(f"CREATE VIEW tag_chunks AS SELECT k.cluster_id, v.tag_norm, v.chunk_ids, "
+                            f"{inherits_sql(self.config.library, 'k')} AS inherits "
                             f"FROM {vocab} v "
                             f"JOIN read_parquet({sql_list([run.part_path(layout.CLUSTERS, 0)])}) k USING (tag_norm)")
                 con.execute(f"CREATE VIEW every_chunk AS SELECT unnest(chunk_ids) AS chunk_id FROM {vocab}")
@@ -272,15 +276,14 @@ class CoherenceStage(Stage):
                          pairs: np.ndarray) -> tuple[dict[int, list[tuple[str, tuple]]], dict[int, int]]:
         """Per cluster with chunks: the chunk ids drawn by position among its distinct chunk ids sorted (all of them
         up to COHESION_SAMPLE), each with the cluster's tags it has; and on how many distinct chunks its tags that will
-        inherit its concept (at ``library.tag_min_similarity`` or more) are. DuckDB numbers the chunks of a range of
+        inherit its concept (``atlas.io.library.inherits``) are. DuckDB numbers the chunks of a range of
         clusters at a time (PAIRS_PER_PASS)."""
         covered, chunks_of = {}, {}
-        floor = float(self.config.library.tag_min_similarity)  # a tag below it inherits no concept (library stage)
         for part in budget_slices(pairs, PAIRS_PER_PASS):
             con.execute(f"""CREATE OR REPLACE TABLE numbered AS SELECT cluster_id, chunk_id,
-                                list(tag_norm ORDER BY tag_norm) AS tags, bool_or(similarity >= {floor!r}) AS inherits,
+                                list(tag_norm ORDER BY tag_norm) AS tags, bool_or(inherits) AS inherits,
                                 row_number() OVER (PARTITION BY cluster_id ORDER BY chunk_id) - 1 AS pos
-                            FROM (SELECT cluster_id, similarity, tag_norm, unnest(chunk_ids) AS chunk_id
+                            FROM (SELECT cluster_id, inherits, tag_norm, unnest(chunk_ids) AS chunk_id
                                   FROM tag_chunks
                                   WHERE cluster_id BETWEEN {clusters[part][0]} AND {clusters[part][-1]})
                             GROUP BY cluster_id, chunk_id""")
