@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from atlas.config import LibraryConfig
 from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.io import layout
@@ -26,16 +27,16 @@ TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.
                                    ("near_concept_id", pa.int64())])
 
 
-def inherits(similarity: float, joined_similarity: float | None, library) -> bool:
-    """Whether a tag of a kept cluster inherits its concept (``library``: the library config): its cosine to the
-    cluster's centroid reaches ``tag_min_similarity``, or, clustered with contexts, its cosine in the space k-means fit
-    (``joined_similarity`` of clusters/, null without contexts) reaches ``joined_min_similarity``. Below both it is at
-    the cluster's edge, often another sense of a word."""
+def inherits(similarity: float, joined_similarity: float | None, library: LibraryConfig) -> bool:
+    """Whether a tag of a kept cluster inherits its concept: its cosine to the cluster's centroid reaches
+    ``tag_min_similarity``, or, clustered with contexts, its cosine in the space k-means fit (``joined_similarity`` of
+    clusters/, null without contexts) reaches ``joined_min_similarity``. Below both it is at the cluster's edge, often
+    another sense of a word."""
     return similarity >= library.tag_min_similarity or (joined_similarity is not None
                                                          and joined_similarity >= library.joined_min_similarity)
 
 
-def inherits_sql(library, table: str) -> str:
+def inherits_sql(library: LibraryConfig, table: str) -> str:
     """:func:`inherits` as a SQL condition on the columns of clusters/ read as ``table``."""
     return (f"({table}.similarity >= {float(library.tag_min_similarity)!r} OR "
             f"coalesce({table}.joined_similarity >= {float(library.joined_min_similarity)!r}, false))")

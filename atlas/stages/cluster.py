@@ -252,7 +252,8 @@ def join_context(tags: np.ndarray, context: np.ndarray, weight: float) -> np.nda
 
 def tag_centroids(tag_vectors: np.ndarray, labels: np.ndarray, k: int,
                   weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Each cluster's (weighted) mean tag embedding, of unit length, and each tag's cosine to its cluster's."""
+    """Each cluster's (weighted) mean row of ``tag_vectors`` (the tags' embeddings, or their joined vectors), of unit
+    length, and each tag's cosine to its cluster's."""
     from atlas.models.kmeans import normalize_rows
 
     sums = np.zeros((k, tag_vectors.shape[1]), dtype=np.float64)
