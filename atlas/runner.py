@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from atlas.config import AtlasConfig, ConfigError, config_from_dict
 from atlas.core.extras import require
 from atlas.core.files import atomic_write_json, read_json, stable_hash
-from atlas.core.lock import run_lock
+from atlas.core.lock import run_lock, shard_running
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -73,21 +73,22 @@ _WORKER_LOCK = threading.Lock()
 
 def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) -> dict:
     """Run one shard of one stage and write its completion marker. Safe to call in any process."""
-    key = (stage_name, stable_hash(config))
-    with _WORKER_LOCK:  # threads of one worker share one stage (one model in memory), set up once
-        stage = _WORKER_STAGES.get(key)
-        if stage is None:
-            stage = STAGES[stage_name](config_from_dict(config))
-            stage.setup()
-            _WORKER_STAGES[key] = stage
-    run = RunDir(stage.config.run_dir, mirror_of(stage.config))
-    started, start = time.time(), time.perf_counter()
-    stats = stage.run_shard(run, shard)
-    seconds = time.perf_counter() - start
-    run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
-    if run.mirror is not None:  # the shard's files, then its marker
-        run.mirror.push_shard(stage_folders(run, stage), started, run.marker_path(stage.output, shard))
-    return stats.to_dict()
+    with shard_running():  # the driver keeps the run locked until the shard is over, even when interrupted
+        key = (stage_name, stable_hash(config))
+        with _WORKER_LOCK:  # threads of one worker share one stage (one model in memory), set up once
+            stage = _WORKER_STAGES.get(key)
+            if stage is None:
+                stage = STAGES[stage_name](config_from_dict(config))
+                stage.setup()
+                _WORKER_STAGES[key] = stage
+        run = RunDir(stage.config.run_dir, mirror_of(stage.config))
+        started, start = time.time(), time.perf_counter()
+        stats = stage.run_shard(run, shard)
+        seconds = time.perf_counter() - start
+        run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
+        if run.mirror is not None:  # the shard's files, then its marker
+            run.mirror.push_shard(stage_folders(run, stage), started, run.marker_path(stage.output, shard))
+        return stats.to_dict()
 
 
 def stage_folders(run: RunDir, stage: Stage) -> list:

@@ -6,12 +6,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import finish_process, wait_for, write_config, write_jsonl
 
+from atlas.core.lock import run_lock, shard_running
 from atlas.core.signals import Terminated, sigterm_as_interrupt
 
 pytestmark = pytest.mark.slow
@@ -170,3 +172,33 @@ def test_sigterm_raises_terminated_within_the_block_and_nested_blocks_only_insid
             time.sleep(5)
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_interrupted_driver_holds_the_run_lock_until_its_running_shards_end(tmp_path):
+    """A shard running in a worker thread cannot be stopped: interrupted, the driver keeps the lock until it ends.
+    Before, a second SIGTERM while Prefect waited for its tasks let the lock go, and a second `atlas run` started
+    on the run while the first still tagged (two drivers on the dev corpus)."""
+    started, finish, outcome = threading.Event(), threading.Event(), {}
+
+    def shard():
+        with shard_running():
+            started.set()
+            finish.wait(60)
+
+    def driver():
+        try:
+            with run_lock(tmp_path, "atlas run"):
+                threading.Thread(target=shard).start()
+                started.wait(60)
+                raise Terminated
+        except Terminated:
+            outcome["raised"] = True
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    assert started.wait(60)
+    time.sleep(0.5)  # the driver is past its block, in the lock's way out
+    assert thread.is_alive() and (tmp_path / "_lock").exists()
+    finish.set()
+    thread.join(60)
+    assert outcome == {"raised": True} and not (tmp_path / "_lock").exists()

@@ -5,6 +5,11 @@ or not at all: the lock is written under a temporary name, then hard-linked to `
 lock is already there. A lock left on this host by a process that is gone (killed, crashed) is stale and taken
 over; a lock of another host is never broken, as only that host can tell whether its process still runs.
 
+The lock is let go when no shard runs in this process any more. Interrupted (Ctrl-C, SIGTERM), the driver stops
+waiting for its shards, but shards already running in its worker threads run to their end (a thread cannot be
+stopped from outside) and the process exits only then: letting the lock go earlier let a second `atlas run` start on
+the run while the first still wrote shards (seen on the dev corpus: two drivers tagging one run).
+
 `atlas stage` (one SLURM array task of a planned run) takes no lock: the tasks of one plan run side by side,
 each writing only its own shards. Commands that only read a run (status, report, inspect) take none either.
 """
@@ -19,6 +24,7 @@ import os
 import shlex
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +35,33 @@ log = logging.getLogger("atlas.core.lock")
 # Locks this process holds: path -> pid. `atlas run` holds the lock while run_stages, inside it, takes it again;
 # the pid keeps a forked worker from thinking it holds its parent's lock.
 _HELD: dict[Path, int] = {}
+
+
+# Shards running in this process (see shard_running), whatever thread runs them.
+_running = 0
+_running_changed = threading.Condition()
+
+
+@contextlib.contextmanager
+def shard_running() -> Iterator[None]:
+    """Around each shard this process runs: a run lock it holds is kept until no shard runs any more."""
+    global _running
+    with _running_changed:
+        _running += 1
+    try:
+        yield
+    finally:
+        with _running_changed:
+            _running -= 1
+            _running_changed.notify_all()
+
+
+def _wait_for_running_shards() -> None:
+    with _running_changed:
+        if _running:
+            log.warning("waiting for %d shard(s) still running to finish; the run stays locked until then",
+                        _running)
+        _running_changed.wait_for(lambda: not _running)
 
 
 class RunLocked(RuntimeError):
@@ -133,6 +166,7 @@ def run_lock(root: str | Path, command: str | None = None, mirror=None) -> Itera
             with mirror.hold(mine) if mirror is not None else contextlib.nullcontext():
                 yield
         finally:
+            _wait_for_running_shards()  # interrupted again while waiting: the lock stays, stale once we are gone
             del _HELD[path]
             if _read(path) == mine:
                 path.unlink()
