@@ -184,6 +184,13 @@ def test_candidate_phrases_and_mmr():
                             "from bs4 import BeautifulSoup\nfrom .utils import x\n    import requests\n"
                             "text = 'import this' # not an import\n>>> import doctest\n") == [
         "numpy", "os", "sys", "bs4", "requests"]
+    # a wire's credit says who filed the story, a company's legal form what kind of entity it is: neither is a topic
+    wire = candidate_phrases("Nigerian troops set off on AU peace mission to Darfur (AFP)\n\nAFP - A company of "
+                             "Nigerian infantry flew out.\n\nLAGOS (Reuters) - Barrick Gold Corp. and LG Electronics "
+                             "Inc. signed a co-op deal.")
+    assert {"nigerian troop", "darfur", "lagos", "barrick gold", "lg electronics", "co op deal"} <= set(wire)
+    assert not {p for p in wire if {"afp", "reuters", "corp", "inc"} & set(p.split())}
+    assert "nasa" in candidate_phrases("The space agency (NASA) launched a probe - a big one.")  # no credit
     assert "galissonnière" in candidate_phrases("The cruiser La Galissonnière sailed.")  # one word, any alphabet
     assert in_lexicon("decorator") and not in_lexicon("cabracadabrarrarrad")
     assert clear_candidates(["sports", "law", "music"], np.array([0.9, 0.1, 0.12]), 2) == []  # 3 entries: no z >= 2.5
