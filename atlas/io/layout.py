@@ -12,6 +12,7 @@ CHUNKS = "chunks"
 TAGS = "tags"
 TAG_VOCAB = "tag_vocab"
 CLUSTERS = "clusters"
+CLUSTER_CENTROIDS = "_centroids.npy"  # in clusters/: each cluster's mean tag embedding
 CLUSTER_VECTORS = "_vectors.npy"  # in clusters/: what k-means fit, read by coherence (see atlas/stages/cluster.py)
 CLUSTER_JOINED_CENTROIDS = "_joined_centroids.npy"  # in clusters/: k-means' centroids in that space, read by library
 COHERENCE = "coherence"

@@ -173,15 +173,15 @@ class ClusterStage(Stage):
         folder = run.output_dir(self.output)
         vectors, joined = folder / layout.CLUSTER_VECTORS, folder / layout.CLUSTER_JOINED_CENTROIDS
         if with_contexts:  # the coherence test judges the clusters in the space they were made in
-            vectors.parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             os.replace(tmp / "joined.npy", vectors)  # one file system: the rename is atomic
             atomic_write_npy(joined, joined_centroids.astype(np.float32))
         else:  # the files of an earlier fit with contexts would be read instead
             vectors.unlink(missing_ok=True)
             joined.unlink(missing_ok=True)
         atomic_write_parquet(run.part_path(self.output, 0), table)
-        atomic_write_npy(run.output_dir(self.output) / "_centroids.npy", centroids.astype(np.float32))
-        atomic_write_json(run.output_dir(self.output) / "_sweep.json",
+        atomic_write_npy(folder / layout.CLUSTER_CENTROIDS, centroids.astype(np.float32))
+        atomic_write_json(folder / "_sweep.json",
                           {"chosen_k": chosen, "final_fit_weights": c.cluster_weights, "final_fit_init": c.kmeans_init,
                            "context_weight": c.context_weight, "sweep": sweep})
         self._plot(run, sweep, chosen)

@@ -83,7 +83,7 @@ class LabelStage(Stage):
 
         vocab, vectors = load_vocab(run, ["n_chunks"])  # float16, memory-mapped: only the top tags' rows are read
         clusters = pq.read_table(run.part_path(layout.CLUSTERS, 0), columns=["cluster_id", "count"])
-        centroids = np.load(run.output_dir(layout.CLUSTERS) / "_centroids.npy", allow_pickle=False)
+        centroids = np.load(run.output_dir(layout.CLUSTERS) / layout.CLUSTER_CENTROIDS, allow_pickle=False)
         coherence = pq.read_table(run.part_path(layout.COHERENCE, 0), columns=["cluster_id", "kept"]).to_pylist()
         kept = [r["cluster_id"] for r in coherence if r["kept"]]
         labels, counts = clusters.column("cluster_id").to_numpy(), clusters.column("count").to_numpy()

@@ -148,7 +148,7 @@ def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], tags: list[st
             raise ArtifactError(f"{folder / layout.CLUSTER_VECTORS}: {len(vectors)} rows for {len(tags)} tags; rerun "
                                 "the cluster stage with --force")
     else:
-        centroids = np.load(folder / "_centroids.npy", allow_pickle=False)[kept]
+        centroids = np.load(folder / layout.CLUSTER_CENTROIDS, allow_pickle=False)[kept]
     near: list[int | None] = []
     searched = min(NEAR_SEARCHED, len(kept))
     for start in range(0, len(own_concept), batch_size):
