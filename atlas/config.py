@@ -232,10 +232,16 @@ class LibraryConfig(Section):
     # mammography) is not at its cluster's edge though its words are. Near concepts are found in that space too.
     joined_min_similarity: float = Field(default=0.5, ge=-1, le=1)
     # A tag also counts this much of a vote, in the library's reading of a chunk (atlas eval library), for its near
-    # concept: that of the nearest other kept cluster at tag_min_similarity or more (with contexts: in the space
-    # k-means fit, at joined_min_similarity) (a tag between two topics, or one whose cluster was dropped). Read when
-    # the library is read, by no stage: the annotator's targets are the tags' own concepts. 0: own concepts only.
+    # concept: that of the nearest other kept cluster at tag_min_similarity or more (a tag between two topics, or one
+    # whose cluster was dropped). With contexts it is read for each occurrence, in its chunk: the tag joined with
+    # that chunk's embedding, in the space k-means fit, at near_min_similarity; a tag with no concept of its own
+    # gives its two nearest concepts there this much each. Read when the library is read, by no stage: the
+    # annotator's targets are the tags' own concepts. 0: own concepts only.
     near_concept_weight: float = Field(default=0.5, ge=0, le=1)
+    # With contexts: an occurrence's near concept is at least this close (cosine in the joined space) to its cluster's
+    # centroid. 0.3 passes 99% of the dev corpus' tags (0.5, the inheritance floor, 44%): what a near concept is for
+    # is the topic nearest a tag in its chunk, which a tag's words alone often are far from (docs/quality.md).
+    near_min_similarity: float = Field(default=0.3, ge=-1, le=1)
     label_tags: int = Field(default=60, ge=5)  # representative tags per cluster shown to the labeler (paper: 50-100)
     # Offline names prefer a top tag that is a Library of Congress subject heading ("army" over "austrian infantry"
     # for a cluster of armies): "lcsh" needs them installed once (bash scripts/get_lcsh.sh, 6 MB); "none": no bonus.

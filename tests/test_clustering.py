@@ -164,7 +164,7 @@ def test_k_grid_default():
 
 
 def test_joined_cosine_is_the_weighted_sum_of_the_tags_and_the_contexts():
-    from atlas.stages.cluster import join_context
+    from atlas.models.kmeans import join_context
 
     rng = np.random.default_rng(1)
     tags, context = rng.standard_normal((6, 12)), rng.standard_normal((6, 8))

@@ -1,6 +1,7 @@
 """From tags to the concept library: cluster, coherence, label, dedup, artifact, evaluation."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,7 +14,8 @@ from atlas.cli import main
 from atlas.config import LibraryConfig, load_config
 from atlas.core.rundir import RunDir
 from atlas.io.library import inherits, inherits_sql
-from atlas.models.embedder import mean_pairwise_cosine
+from atlas.models.embedder import Embedder, encode_cached, mean_pairwise_cosine
+from atlas.models.kmeans import join_context
 from atlas.models.labeler import make_unique
 from atlas.runner import run_stages
 from atlas.stages.cluster import choose_k
@@ -27,7 +29,7 @@ STAGES_TO_LIBRARY = ["chunk", "tag", "vocab", "cluster", "coherence", "label", "
 def library_files(run_dir):
     folder = run_dir / "library"
     return {name: (folder / name).read_bytes()
-            for name in ("concepts.parquet", "tag_to_concept.parquet", "config.json")}
+            for name in ("concepts.parquet", "tag_to_concept.parquet", "near_votes.parquet", "config.json")}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,30 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
                      if s >= joined_floor and concept_of_cluster[c] != row["concept_id"]), None)
         assert row["near_concept_id"] == near
     assert any(row["near_concept_id"] is not None for row in mapping)
+    # and each tag occurrence's, read in its chunk (library/near_votes.parquet; numpy here): the tag joined with its
+    # chunk's embedding, ranked against its tag's nearest kept clusters; a tag without a concept votes for two
+    fields = json.loads((run.root / "library" / "config.json").read_text())["fields"]
+    occurrences = [(row["chunk_id"], row["tag_norm"]) for part in run.parts("tags")
+                   for row in pq.read_table(part, columns=["chunk_id", "field", "tag_norm"]).to_pylist()
+                   if row["field"] in fields and row["tag_norm"] in vocab]  # a tag the vocabulary left out has none
+    texts = {chunk: text for part in run.parts("chunks")
+             for chunk, text in zip(*pq.read_table(part, columns=["chunk_id", "chunk_text"]).to_pydict().values())}
+    chunk_vectors, computed = encode_cached(Embedder(config.annotator.encoder), [texts[c] for c, _ in occurrences],
+                                            run.root / "_cache" / "embeddings")
+    assert computed == 0  # the library stage embedded them: the same vectors
+    row_of, own = {tag: i for i, tag in enumerate(vocab)}, {row["tag_norm"]: row["concept_id"] for row in mapping}
+    near_floor, expected = LibraryConfig().near_min_similarity, Counter()
+    for (chunk, tag), vector in zip(occurrences, chunk_vectors):
+        i = row_of[tag]
+        nearest = [kept_ids[j] for j in np.argsort(-similarity_to_kept[i], kind="stable")[:NEAR_SEARCHED]]
+        occurrence = join_context(tag_vectors[i:i + 1], vector[None].astype(np.float32), sweep["context_weight"])[0]
+        ranked = sorted(nearest, key=lambda c: -float(occurrence @ joined_centroids[c]))
+        near = [concept_of_cluster[c] for c in ranked
+                if occurrence @ joined_centroids[c] >= near_floor and concept_of_cluster[c] != own[tag]]
+        expected.update((chunk, c) for c in list(dict.fromkeys(near))[:1 if own[tag] is not None else 2])
+    written = pq.read_table(run.root / "library" / "near_votes.parquet").to_pylist()
+    assert {(row["chunk_id"], row["concept_id"]): row["votes"] for row in written} == dict(expected)
+    assert any(own[tag] is None for _, tag in occurrences) and max(expected.values()) > 1
     assert (run.root / "report" / "k_sweep.png").exists() and (run.root / "report" / "concept_map.png").exists()
 
     capsys.readouterr()
@@ -152,6 +178,8 @@ def test_offline_library_is_deterministic_and_keeps_its_contract(tmp_path, label
     run_stages(alone, ["cluster"], force=True, log=lambda m: None)
     assert not (run.root / "clusters" / "_vectors.npy").exists()
     assert not (run.root / "clusters" / "_joined_centroids.npy").exists()
+    run_stages(alone, ["coherence", "label", "library"], force=True, log=lambda m: None)
+    assert not (run.root / "library" / "near_votes.parquet").exists()  # the tags' near concepts are read instead
     alone_clusters = pq.read_table(run.root / "clusters" / "part-00000.parquet").column("joined_similarity")
     assert alone_clusters.null_count == len(alone_clusters)  # one space: the tag floor alone decides
     assert json.loads((run.root / "clusters" / "_sweep.json").read_text())["context_weight"] == 0

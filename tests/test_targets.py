@@ -109,13 +109,21 @@ def test_only_the_librarys_fields_inherit_concepts(run_copy):
                        if row["field"] in fields and row["tag_norm"] in concept_of)
     votes = chunk_concept_votes(run)
     assert {(chunk, c): n for chunk, v in votes.items() for c, n in v.items()} == dict(expected)
-    # and a partial vote for each tag's near concept, in the library's reading only (not a target below)
+    # and a partial vote for each near concept, in the library's reading only (not a target below): read in each
+    # chunk (library/near_votes.parquet, clustered with contexts) ...
+    in_context = run.output_dir("library") / "near_votes.parquet"
+    near = Counter({(r["chunk_id"], r["concept_id"]): r["votes"] for r in pq.read_table(in_context).to_pylist()})
+    assert near and {(chunk, c): n for chunk, v in chunk_concept_votes(run, 0.25).items() for c, n in v.items()} == {
+        key: expected.get(key, 0) + 0.25 * near.get(key, 0) for key in expected | near}
+    # ... or, where there are none (clustered without contexts), each tag's near concept
+    in_context.rename(in_context.with_name("elsewhere.parquet"))
     near_of = {m["tag_norm"]: m["near_concept_id"] for m in mapping if m["near_concept_id"] is not None}
     near = Counter((row["chunk_id"], near_of[row["tag_norm"]]) for part in run.parts("tags")
                    for row in pq.read_table(part).to_pylist()
                    if row["field"] in fields and row["tag_norm"] in near_of)
     assert near and {(chunk, c): n for chunk, v in chunk_concept_votes(run, 0.25).items() for c, n in v.items()} == {
         key: expected.get(key, 0) + 0.25 * near.get(key, 0) for key in expected | near}
+    in_context.with_name("elsewhere.parquet").rename(in_context)
     assert {chunk: list(v) for chunk, v in votes.items()} == before and max(expected.values()) > 1
     tag_part = run.parts("tags")[0]
     tags = pq.read_table(tag_part)

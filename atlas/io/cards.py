@@ -34,7 +34,8 @@ ROWS = {layout.CHUNKS: "chunk", layout.TAGS: "(chunk, field, tag)", layout.TAG_V
         layout.LABELS: "kept cluster (its name)", layout.TARGETS: "reservoir chunk (the annotator's training data)",
         layout.ANNOTATED: "chunk, with its concepts", layout.TOKENS: "chunk (its span in the token stream)",
         layout.INDEX: "indexed vector (row -> chunk)", "concepts": "concept", "tag_to_concept": "tag",
-        "heldout_predictions": "held-out chunk", "calibration": "label"}
+        "near_votes": "(chunk, concept) its tags' near votes went to", "heldout_predictions": "held-out chunk",
+        "calibration": "label"}
 REJECTS = {layout.CHUNKS: "input records dropped, with file, row, field and reason",
            layout.TAGS: "quarantined chunks (no attempt could tag them), with the reason and the raw answer",
            layout.COHERENCE: "the clusters the coherence filter dropped, with their scores and reason"}
@@ -76,7 +77,10 @@ TABLE_COLUMNS = {  # where a column means something else in one table (key: as i
     "tag_to_concept": {"concept_id": ("global concept id; null where its cluster was dropped or the tag is below "
                                       "library.tag_min_similarity to its centroid"),
                        "near_concept_id": ("concept of its nearest other kept cluster at library.tag_min_similarity "
-                                           "or more (a partial vote, library.near_concept_weight); null: none")},
+                                           "or more (with contexts: in the joined space, at "
+                                           "library.joined_min_similarity); null: none")},
+    "near_votes": {"votes": ("how many of the chunk's tag occurrences give the concept a near vote, read in the chunk "
+                             "(each counts library.near_concept_weight in the library's reading)")},
     "calibration": {"domain": "content, tone, demographic or alignment",
                     "heldout_positives": "held-out chunks inheriting it",
                     "observed_rate": "share of held-out chunks inheriting it (a lower bound)",

@@ -15,6 +15,7 @@ CLUSTERS = "clusters"
 CLUSTER_CENTROIDS = "_centroids.npy"  # in clusters/: each cluster's mean tag embedding
 CLUSTER_VECTORS = "_vectors.npy"  # in clusters/: what k-means fit, read by coherence (see atlas/stages/cluster.py)
 CLUSTER_JOINED_CENTROIDS = "_joined_centroids.npy"  # in clusters/: k-means' centroids in that space, read by library
+LIBRARY_NEAR_VOTES = "near_votes.parquet"  # in library/: near concepts read in each chunk (with contexts)
 COHERENCE = "coherence"
 LABELS = "labels"
 LIBRARY = "library"

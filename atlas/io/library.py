@@ -25,6 +25,9 @@ CONCEPT_SCHEMA = pa.schema(
 )
 TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.int64()), ("concept_id", pa.int64()),
                                    ("near_concept_id", pa.int64())])
+# library/near_votes.parquet (clustered with contexts): how many of a chunk's tag occurrences give a concept a near
+# vote, read in the chunk (atlas.stages.library.near_votes_in_context); a chunk's rows are consecutive.
+NEAR_VOTES_SCHEMA = pa.schema([("chunk_id", pa.string()), ("concept_id", pa.int64()), ("votes", pa.float32())])
 
 
 def inherits(similarity: float, joined_similarity: float | None, library: LibraryConfig) -> bool:
@@ -97,11 +100,14 @@ def chunk_concepts(run: RunDir) -> dict[str, list[int]]:
 
 def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict[int, float]]:
     """Every tagged chunk's concepts with their votes, most first (ties: smaller id): one for each of its tags (of the
-    fields the library was built from) whose own concept it is, and ``near_weight`` for each whose near concept it
-    is (``library.near_concept_weight``; 0: own concepts only). A library written before near concepts has none."""
-    path = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
-    mapping = pq.read_table(path).to_pydict()
-    near_of_tag = mapping.get("near_concept_id") if near_weight > 0 else None
+    fields the library was built from) whose own concept it is, and ``near_weight`` for each near vote
+    (``library.near_concept_weight``; 0: own concepts only): read in the chunk where the library wrote them
+    (``near_votes.parquet``, clustered with contexts), else the tag's near concept. A library written before near
+    concepts has none."""
+    folder = run.output_dir(layout.LIBRARY)
+    mapping = pq.read_table(folder / "tag_to_concept.parquet").to_pydict()
+    in_context = folder / layout.LIBRARY_NEAR_VOTES
+    near_of_tag = mapping.get("near_concept_id") if near_weight > 0 and not in_context.exists() else None
     votes_of_tag: dict[str, list[tuple[int, float]]] = {}
     for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
         votes = [(concept, 1.0)] if concept is not None else []
@@ -117,6 +123,11 @@ def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict
     for row in tags.select(["chunk_id", "tag_norm"]).to_pylist():
         for concept, weight in votes_of_tag.get(row["tag_norm"], ()):
             chunk_votes[row["chunk_id"]][concept] += weight
+    if near_weight > 0 and in_context.exists():
+        near = read_parquet(in_context, required=NEAR_VOTES_SCHEMA,
+                            hint="rebuild the library: atlas run CONFIG --stages library --force").to_pydict()
+        for chunk, concept, votes in zip(near["chunk_id"], near["concept_id"], near["votes"]):
+            chunk_votes[chunk][concept] += near_weight * votes
     return {chunk: dict(sorted(v.items(), key=lambda kv: (-kv[1], kv[0]))) for chunk, v in chunk_votes.items()}
 
 

@@ -30,6 +30,13 @@ def normalize_rows(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def join_context(tags: np.ndarray, context: np.ndarray, weight: float) -> np.ndarray:
+    """Rows [sqrt(1 - weight) tag, sqrt(weight) context], each part of unit length first, then the row: cosine in
+    the joined space is ``(1 - weight)`` x the tags' + ``weight`` x the contexts' (a tag without context: its own)."""
+    return normalize_rows(np.hstack([np.sqrt(1 - weight) * normalize_rows(tags),
+                                     np.sqrt(weight) * normalize_rows(context)]))
+
+
 def kmeans(x: np.ndarray, k: int, seed: int = 0, niter: int = 20, max_points_per_centroid: int = 256,
            verbose: bool = False, weights: np.ndarray | None = None, init: str = "random") -> np.ndarray:
     """Spherical k-means with FAISS: fit on a sample, so that assigning everything is the only pass over all points.

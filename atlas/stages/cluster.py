@@ -192,6 +192,8 @@ class ClusterStage(Stage):
         memory-mapped file of ``tmp``: one block of tags, and the chunks of their samples, in memory at a time."""
         from tqdm.auto import tqdm  # a bar inside the stage's one shard: embedding the chunks is its long step
 
+        from atlas.models.kmeans import join_context
+
         w = self.config.library.context_weight
         part = pq.ParquetFile(run.part_path(layout.TAG_VOCAB, 0))
         n = len(tag_vectors)
@@ -239,15 +241,6 @@ def spread(ids: list[str], n: int) -> list[str]:
     if len(ids) <= n:
         return ids
     return [ids[i] for i in np.linspace(0, len(ids) - 1, n).round().astype(int)]
-
-
-def join_context(tags: np.ndarray, context: np.ndarray, weight: float) -> np.ndarray:
-    """Rows [sqrt(1 - weight) tag, sqrt(weight) context], each part of unit length first, then the row: cosine in
-    the joined space is ``(1 - weight)`` x the tags' + ``weight`` x the contexts' (a tag without context: its own)."""
-    from atlas.models.kmeans import normalize_rows
-
-    return normalize_rows(np.hstack([np.sqrt(1 - weight) * normalize_rows(tags),
-                                     np.sqrt(weight) * normalize_rows(context)]))
 
 
 def tag_centroids(tag_vectors: np.ndarray, labels: np.ndarray, k: int,

@@ -17,13 +17,13 @@ Both commands read a ground-truth label from the chunks' metadata (``--label-fie
 - an overall line: means over the sources, whether every source's top concepts are at least as homogeneous as
   k-means, and which sources are below it by more than the sample's noise (the whole interval under 1).
 
-``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags,
-one vote per tag whose own concept it is and ``library.near_concept_weight`` per tag whose near concept it is
-(``chunk_concept_votes``), normalized to sum 1; its top concept is chosen by the same rule as the annotator's (below),
-on the counts: distinctive (lift) and representative (nearest centroid, then nearest the concept's documents). The
-same probe runs on the document's own tags (shares of the vocabulary's tags, ``tags_accuracy``): what the symbols the
-concepts come from carry. It also reports, at the chunk level, for each tagged chunk's main concept (the concept with
-the most of its tags' votes):
+``eval library``: a document's concept vector counts the content concepts its chunks inherit through their tags, one
+vote per tag whose own concept it is and ``library.near_concept_weight`` per near vote (read in each chunk where the
+library was clustered with contexts, else each tag's near concept: ``chunk_concept_votes``), normalized to sum 1; its
+top concept is chosen by the same rule as the annotator's (below), on the counts: distinctive (lift) and representative
+(nearest centroid, then nearest the concept's documents). The same probe runs on the document's own tags (shares of the
+vocabulary's tags, ``tags_accuracy``): what the symbols the concepts come from carry. It also reports, at the chunk
+level, for each tagged chunk's main concept (the concept with the most of its tags' votes):
 
 - purity: the share of chunks whose concept's most common label is their own label;
 - NMI: normalized mutual information between main concept and label (scikit-learn);
