@@ -107,7 +107,8 @@ def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict
     folder = run.output_dir(layout.LIBRARY)
     mapping = pq.read_table(folder / "tag_to_concept.parquet").to_pydict()
     in_context = folder / layout.LIBRARY_NEAR_VOTES
-    near_of_tag = mapping.get("near_concept_id") if near_weight > 0 and not in_context.exists() else None
+    read_in_context = near_weight > 0 and in_context.exists()
+    near_of_tag = mapping.get("near_concept_id") if near_weight > 0 and not read_in_context else None
     votes_of_tag: dict[str, list[tuple[int, float]]] = {}
     for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping["concept_id"])):
         votes = [(concept, 1.0)] if concept is not None else []
@@ -123,7 +124,7 @@ def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict
     for row in tags.select(["chunk_id", "tag_norm"]).to_pylist():
         for concept, weight in votes_of_tag.get(row["tag_norm"], ()):
             chunk_votes[row["chunk_id"]][concept] += weight
-    if near_weight > 0 and in_context.exists():
+    if read_in_context:
         near = read_parquet(in_context, required=NEAR_VOTES_SCHEMA,
                             hint="rebuild the library: atlas run CONFIG --stages library --force").to_pydict()
         for chunk, concept, votes in zip(near["chunk_id"], near["concept_id"], near["votes"]):

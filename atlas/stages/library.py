@@ -135,6 +135,27 @@ def lifted_words(con, chunk_texts, min_support: int, spill: Path, top: int = LIF
     return dict(rows)
 
 
+def tag_embeddings(run: RunDir, tags: list[str]) -> np.ndarray:
+    """The vocabulary's tag embeddings, memory-mapped, checked to be those of ``tags`` in their order."""
+    vocab, vectors = load_vocab(run, ["tag_norm"])
+    if vocab.column("tag_norm").to_pylist() != tags:
+        raise ArtifactError(f"{run.part_path(layout.CLUSTERS, 0)}: its tags are not those of "
+                            f"{run.output_dir(layout.TAG_VOCAB)}, in their order; rerun the cluster stage with "
+                            "--force")
+    return vectors
+
+
+def joined_space(run: RunDir, kept, n_tags: int) -> tuple[np.ndarray, np.ndarray]:
+    """Clustered with contexts, the space k-means fit: every tag's joined vector (memory-mapped, row i: tag i) and the
+    ``kept`` clusters' joined centroids, in that order."""
+    folder = run.output_dir(layout.CLUSTERS)
+    vectors = np.load(folder / layout.CLUSTER_VECTORS, mmap_mode="r", allow_pickle=False)
+    if len(vectors) != n_tags:
+        raise ArtifactError(f"{folder / layout.CLUSTER_VECTORS}: {len(vectors)} rows for {n_tags} tags; rerun the "
+                            "cluster stage with --force")
+    return vectors, np.load(folder / layout.CLUSTER_JOINED_CENTROIDS, allow_pickle=False)[kept].astype(np.float32)
+
+
 def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], tags: list[str], own: list[int | None],
                   floor: float, joined_floor: float, batch_size: int = 65_536) -> list[int | None]:
     """Each vocabulary tag's near concept (``tags``: the vocabulary's, in its order; ``own``: their concepts): that of
@@ -151,18 +172,10 @@ def near_concepts(run: RunDir, concept_of_cluster: dict[int, int], tags: list[st
     folder = run.output_dir(layout.CLUSTERS)
     concept = np.asarray([concept_of_cluster[c] for c in kept.tolist()], dtype=np.int64)
     own_concept = np.asarray([-1 if c is None else c for c in own], dtype=np.int64)
-    vocab, vectors = load_vocab(run, ["tag_norm"])
-    if vocab.column("tag_norm").to_pylist() != tags:  # row i of the embeddings must be tag i of the mapping
-        raise ArtifactError(f"{run.part_path(layout.CLUSTERS, 0)}: its tags are not those of "
-                            f"{run.output_dir(layout.TAG_VOCAB)}, in their order; rerun the cluster stage with "
-                            "--force")
+    vectors = tag_embeddings(run, tags)
     if (folder / layout.CLUSTER_JOINED_CENTROIDS).exists():  # clustered with contexts: search where k-means fit
-        vectors = np.load(folder / layout.CLUSTER_VECTORS, mmap_mode="r", allow_pickle=False)
-        centroids = np.load(folder / layout.CLUSTER_JOINED_CENTROIDS, allow_pickle=False)[kept]
+        vectors, centroids = joined_space(run, kept, len(tags))
         floor = joined_floor
-        if len(vectors) != len(tags):
-            raise ArtifactError(f"{folder / layout.CLUSTER_VECTORS}: {len(vectors)} rows for {len(tags)} tags; rerun "
-                                "the cluster stage with --force")
     else:
         centroids = np.load(folder / layout.CLUSTER_CENTROIDS, allow_pickle=False)[kept]
     near: list[int | None] = []
@@ -198,14 +211,9 @@ def near_votes_in_context(run: RunDir, concept_of_cluster: dict[int, int], tags:
     if not kept:  # no concept to vote for
         with PartWriter(path, NEAR_VOTES_SCHEMA):
             return 0
-    folder = run.output_dir(layout.CLUSTERS)
     concept = np.asarray([concept_of_cluster[c] for c in kept], dtype=np.int64)
-    centroids = np.load(folder / layout.CLUSTER_JOINED_CENTROIDS, allow_pickle=False)[kept].astype(np.float32)
-    joined_tags = np.load(folder / layout.CLUSTER_VECTORS, mmap_mode="r", allow_pickle=False)
-    _, tag_vectors = load_vocab(run, ["tag_norm"])
-    if not len(joined_tags) == len(tag_vectors) == len(tags):
-        raise ArtifactError(f"{folder / layout.CLUSTER_VECTORS}: {len(joined_tags)} rows for {len(tags)} tags; rerun "
-                            "the cluster stage with --force")
+    tag_vectors = tag_embeddings(run, tags)
+    joined_tags, centroids = joined_space(run, kept, len(tags))
     row_of_tag = {tag: i for i, tag in enumerate(tags)}
     own_concept = np.asarray([-1 if c is None else c for c in own], dtype=np.int64)
     searched, with_near = min(NEAR_SEARCHED, len(kept)), 0
