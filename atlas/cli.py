@@ -55,6 +55,7 @@ def _load(args) -> AtlasConfig:  # noqa: F821
 
 
 def cmd_run(args) -> int:
+    from atlas.core.files import confined_writes
     from atlas.core.lock import run_lock
     from atlas.io.remote_run import mirror_of
     from atlas.runner import check_run, run_stages
@@ -68,7 +69,7 @@ def cmd_run(args) -> int:
     stages = args.stages.split(",") if args.stages else None
     mirror = mirror_of(config)  # a run_dir in object storage: its lock there too, and the local copy pulled
     where = config.run_url or config.run_dir
-    with run_lock(config.run_dir, getattr(args, "command_line", None), mirror):
+    with run_lock(config.run_dir, getattr(args, "command_line", None), mirror), confined_writes(config.run_dir):
         # Everything that can refuse the run (a conflict, a missing input, an unknown stage) is checked before
         # anything is written: a refused run leaves the run directory as it was, report included.
         checked = check_run(config, stages, args.force)
@@ -127,7 +128,12 @@ def cmd_stage(args) -> int:
         raise SystemExit(f"{run.root}: stage '{args.name}' is not planned; run `atlas plan CONFIG` first")
     if args.name not in STAGES:
         raise SystemExit(f"unknown stage '{args.name}'; stages are: {', '.join(STAGES)}")
-    require(STAGES[args.name](config_from_dict(manifest["config"])).extras(), f"stage '{args.name}'")
+    config = manifest["config"]
+    if Path(config["run_dir"]).resolve() != run.root.resolve():
+        # A copied or moved run: its manifest names the folder it was planned in, and every write goes here instead
+        # (and, copied from a run kept in object storage, not to that bucket either).
+        config = dict(config, run_dir=str(run.root.resolve()), run_url=None, local_copy=None)
+    require(STAGES[args.name](config_from_dict(config)).extras(), f"stage '{args.name}'")
     n = info["num_shards"]
     shards = [s for s in range(n) if s % args.num_shards == args.shard]
     if not shards:  # a mis-sized SLURM array must not look green
@@ -138,7 +144,7 @@ def cmd_stage(args) -> int:
         if run.is_shard_done(STAGES[args.name].output, shard, info["hash"]):
             print(f"{args.name} shard {shard:05d}: already done")
             continue
-        counters = run_one_shard(manifest["config"], args.name, shard, info["hash"])
+        counters = run_one_shard(config, args.name, shard, info["hash"])
         print(f"{args.name} shard {shard:05d}: done {json.dumps(counters)}")
     return 0
 
@@ -149,7 +155,7 @@ def cmd_status(args) -> int:
 
     run = RunDir(args.run_dir)
     if not run.manifest_path.exists():
-        raise SystemExit(f"{run.root}: not an Atlas run directory (no manifest.json)")
+        raise FileNotFoundError(f"{run.root}: not an Atlas run directory (no manifest.json)")
     print(json.dumps(status_rows(run), indent=1) if args.json else format_status(run))
     return 0
 
@@ -160,24 +166,23 @@ def _print_text(text: str, limit: int) -> None:
 
 
 def cmd_inspect(args) -> int:
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
-
     from atlas.core.rundir import RunDir
+    from atlas.io.chunks import read_chunks
+    from atlas.io.library import load_library
+    from atlas.io.tags import read_tags
     from atlas.stages import STAGES
 
-    outputs = [stage.output for stage in STAGES.values()]
+    outputs = {stage.output: name for name, stage in STAGES.items()}
     if args.what not in outputs:
         raise UsageError(f"{args.what!r} is not an output folder; inspect one of: {', '.join(outputs)}")
     run = RunDir(args.run_dir)
     folder = run.output_dir(args.what)
     if not sorted(folder.glob("*.parquet")):
-        raise SystemExit(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
+        raise FileNotFoundError(f"{folder}: no parts yet (try `atlas status {args.run_dir}`)")
     if args.what == "library":  # concepts, most used first (at random: among the content concepts)
-        concepts = pq.read_table(folder / "concepts.parquet")
+        concepts = load_library(run)[0]
         if args.random is not None:
-            concepts = concepts.filter(pc.equal(concepts["domain"], "content"))
+            concepts = [c for c in concepts if c["domain"] == "content"]
         for row in _rows(concepts, args):
             print("-" * 100)
             if row["domain"] != "content":  # an auxiliary label: from a fixed list, never counted here
@@ -193,13 +198,11 @@ def cmd_inspect(args) -> int:
         _inspect_concepts(run, args)
         return 0
     if args.what == "tags":  # chunks with their tags, field by field
-        tagged = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table(columns=["chunk_id"])
-        chosen = list(dict.fromkeys(tagged.column("chunk_id").to_pylist()))
+        chosen = list(dict.fromkeys(read_tags(run, ["chunk_id"]).column("chunk_id").to_pylist()))
         chosen = [chosen[i] for i in _row_indices(len(chosen), args)]
         tags = _tags_by_field(run, chosen)
-        chunks = ds.dataset([str(p) for p in run.parts(layout.CHUNKS)], format="parquet")
-        texts = {r["chunk_id"]: r for r in chunks.to_table(
-            filter=ds.field("chunk_id").isin(chosen)).to_pylist()}
+        texts = _chunk_texts(run, chosen, read_chunks(run, chosen, ("domain", "n_tokens", "chunk_text")),
+                             run.output_dir(layout.TAGS), "tag")
         for chunk_id in chosen:
             chunk = texts[chunk_id]
             print("-" * 100)
@@ -208,8 +211,9 @@ def cmd_inspect(args) -> int:
             for field, values in tags.get(chunk_id, {}).items():
                 print(f"    {field}: {', '.join(values)}")
         return 0
-    parts = [str(p) for p in run.parts(args.what)]
-    for row in _rows(ds.dataset(parts, format="parquet"), args):
+    # The index stage has the annotate stage's shard count but writes one id map.
+    parts = [run.part_path(args.what, 0)] if args.what == layout.INDEX else run.parts(args.what)
+    for row in _part_rows(parts, args, f"recompute it: atlas run CONFIG --force --stages {outputs[args.what]}"):
         text = row.pop("chunk_text", None)
         print("-" * 100)
         shown = {k: (str(v) if len(str(v)) <= 120 else str(v)[:117] + "...") for k, v in row.items()}
@@ -231,38 +235,71 @@ def _row_indices(total: int, args) -> list[int]:
 
 
 def _rows(table, args) -> list[dict]:
-    """The chosen rows (see ``_row_indices``) of a pyarrow Table or Dataset, as dicts."""
-    total = table.num_rows if hasattr(table, "num_rows") else table.count_rows()
-    return table.take(_row_indices(total, args)).to_pylist()
+    """The chosen rows (see ``_row_indices``) of a pyarrow Table or a list of rows, as dicts."""
+    if isinstance(table, list):
+        return [table[i] for i in _row_indices(len(table), args)]
+    return table.take(_row_indices(table.num_rows, args)).to_pylist()
+
+
+def _part_rows(parts, args, hint: str) -> list[dict]:
+    """The chosen rows of a stage's parts, as if they were one table: each part's footer is checked and only the
+    parts that hold a chosen row are decoded (checked too), so a damaged part is an error that names it."""
+    from atlas.core.files import open_parquet, read_parquet
+
+    starts = [0]
+    for part in parts:
+        with open_parquet(part, hint=hint) as pf:
+            starts.append(starts[-1] + pf.metadata.num_rows)
+    chosen = _row_indices(starts[-1], args)
+    rows = []
+    for i, part in enumerate(parts):
+        if local := [r - starts[i] for r in chosen if starts[i] <= r < starts[i + 1]]:
+            rows.extend(read_parquet(part, hint=hint).take(local).to_pylist())
+    return rows
 
 
 def _tags_by_field(run, chunk_ids: list[str]) -> dict[str, dict[str, list[str]]]:
     """chunk id -> field -> its normalized tags, for a few chunks (the tag parts are read filtered)."""
-    import pyarrow.dataset as ds
+    from atlas.io.tags import read_tags_of
 
-    tags = ds.dataset([str(p) for p in run.parts(layout.TAGS)], format="parquet").to_table(
-        columns=["chunk_id", "field", "tag_norm"], filter=ds.field("chunk_id").isin(chunk_ids)).to_pylist()
     out: dict[str, dict[str, list[str]]] = {}
-    for r in tags:
+    for r in read_tags_of(run, chunk_ids):
         out.setdefault(r["chunk_id"], {}).setdefault(r["field"], []).append(r["tag_norm"])
     return out
 
 
+def _chunk_texts(run, chunk_ids, found: dict, named_in, stage: str) -> dict:
+    """``found`` (read_chunks of ``chunk_ids``), checked to hold every one: a chunk that ``named_in`` (written by
+    ``stage``) names but the chunk parts lack means the two are not of the same run."""
+    from atlas.core.files import ArtifactError
+
+    if lost := [c for c in chunk_ids if c not in found]:
+        raise ArtifactError(f"{named_in}: chunk {lost[0]!r} ({len(lost)} in all) is in no part of "
+                            f"{run.output_dir(layout.CHUNKS)}; recompute it: atlas run CONFIG --force --stages "
+                            f"{stage}")
+    return found
+
+
 def _inspect_concepts(run, args) -> None:
-    import pyarrow.parquet as pq
-
+    from atlas.core.files import read_parquet
     from atlas.io.chunks import read_chunks
-    from atlas.io.library import load_library
+    from atlas.io.library import check_concept_ids, load_library
 
-    names = {r["concept_id"]: (r["domain"], r["name"]) for r in load_library(run)[0]}
+    concepts = load_library(run)[0]
+    names = {r["concept_id"]: (r["domain"], r["name"]) for r in concepts}
     if args.what == "annotator":
-        predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet")
-        rows = _rows(predictions, args)
+        path = run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet"
+        hint = "retrain the annotator: atlas run CONFIG --force --stages train_annotator"
+        table = read_parquet(path, ["chunk_id", "domain", "concepts", "concept_scores", "targets"], hint=hint)
+        check_concept_ids(path, table, ["concepts", "targets"], len(concepts), hint)
     else:
-        targets = pq.read_table(run.part_path(layout.TARGETS, 0),
-                                columns=["chunk_id", "domain", "split", "picked", "concepts"])
-        rows = _rows(targets, args)
-    texts = read_chunks(run, {r["chunk_id"] for r in rows})
+        path = run.parts(layout.TARGETS)[0]
+        hint = "recompute the targets: atlas run CONFIG --force --stages targets"
+        table = read_parquet(path, ["chunk_id", "domain", "split", "picked", "concepts"], hint=hint)
+        check_concept_ids(path, table, ["concepts"], len(concepts), hint)
+    rows = _rows(table, args)
+    texts = _chunk_texts(run, [r["chunk_id"] for r in rows], read_chunks(run, {r["chunk_id"] for r in rows}), path,
+                         "train_annotator" if args.what == "annotator" else "targets")
     tags = _tags_by_field(run, [r["chunk_id"] for r in rows])
     for row in rows:
         print("-" * 100)
@@ -377,13 +414,14 @@ def cmd_judge(args) -> int:
     from atlas.core.rundir import RunDir
     from atlas.tools.judge import judge_tags
 
-    manifest = RunDir(args.run_dir).read_manifest()
+    run = RunDir(args.run_dir)
+    manifest = run.read_manifest()
     if "tag" not in manifest.get("stages", {}):
-        raise SystemExit(f"{args.run_dir}: no tags yet; run the tag stage first")
-    config = config_from_dict(manifest["config"])
+        raise FileNotFoundError(f"{args.run_dir}: no tags yet; run the tag stage first")
+    config = _run_config(run, manifest)
     from atlas.config import apply_override
 
-    data = dict(config.model_dump(), run_dir=str(Path(args.run_dir).resolve()))  # the run as it is now, moved or not
+    data = config.model_dump()
     for assignment in args.set or []:
         apply_override(data, assignment)
     config = config_from_dict(data)
@@ -396,8 +434,24 @@ def cmd_judge(args) -> int:
     return 0
 
 
+def _run_config(run, manifest: dict):
+    """The config the run's manifest records, for the run directory as it is now (moved or not); one that cannot
+    be read is an ArtifactError that names the manifest."""
+    from atlas.config import ConfigError, config_from_dict
+    from atlas.core.files import ArtifactError
+
+    fix = ("the manifest was edited, damaged or written by another Atlas version: restore it from a copy, or move it "
+           "aside and rerun `atlas run CONFIG` (finished stages are found again from their _SUCCESS markers)")
+    if not isinstance(manifest.get("config"), dict):
+        raise ArtifactError(f"{run.manifest_path}: no config; {fix}")
+    try:
+        return config_from_dict(dict(manifest["config"], run_dir=str(run.root.resolve())))
+    except ConfigError as e:
+        raise ArtifactError(f"{run.manifest_path}: its config is not valid ({' '.join(str(e).split())}); {fix}") \
+            from None
+
+
 def cmd_eval(args) -> int:
-    from atlas.config import config_from_dict
     from atlas.core.rundir import RunDir
     from atlas.tools.evaluate import evaluate_annotator, evaluate_library, format_per_source
 
@@ -406,8 +460,9 @@ def cmd_eval(args) -> int:
     needed = {"library": run.output_dir(layout.LIBRARY) / "concepts.parquet",
               "annotator": run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet"}[args.what]
     if not needed.exists():
-        raise SystemExit(f"{args.run_dir}: no {args.what} yet ({needed} is missing); run the pipeline that far first")
-    config = config_from_dict(dict(manifest["config"], run_dir=str(run.root.resolve())))  # the run as it is now
+        raise FileNotFoundError(f"{args.run_dir}: no {args.what} yet ({needed} is missing); run the pipeline that far "
+                                "first")
+    config = _run_config(run, manifest)
     if args.what == "library":
         summary = evaluate_library(config, args.label_field, args.sample, args.seed)
     else:
@@ -506,17 +561,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels, library, "
                                 "targets, annotator (held-out predictions)")
-    p.add_argument("-n", type=int, default=5, help="rows to show")
-    p.add_argument("--chars", type=int, default=600, help="characters of text to show per row")
-    p.add_argument("--random", type=int, metavar="SEED", default=None,
+    p.add_argument("-n", type=_at_least(1), default=5, help="rows to show")
+    p.add_argument("--chars", type=_at_least(1), default=600, help="characters of text to show per row")
+    p.add_argument("--random", type=_at_least(0), metavar="SEED", default=None,
                    help="show -n rows drawn at random with this seed instead of the first ones (typical rows, "
                         "not only the most used concepts)")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("judge", help="score the relevance of tags to their chunks (1-5; offline: a proxy)")
     p.add_argument("run_dir")
-    p.add_argument("--sample", type=int, default=200, help="chunks to judge")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample", type=_at_least(1), default=200, help="chunks to judge")
+    p.add_argument("--seed", type=_at_least(0), default=0)
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override the run's config, e.g. llm.engine=openai llm.base_url=http://host:8000/v1")
     p.set_defaults(fn=cmd_judge)
@@ -531,8 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["library", "annotator"])
     p.add_argument("run_dir")
     p.add_argument("--label-field", default="label", help="metadata field of the chunks holding the true label")
-    p.add_argument("--sample", type=int, default=200, help="chunks for the relevance judge (or proxy)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample", type=_at_least(1), default=200, help="chunks for the relevance judge (or proxy)")
+    p.add_argument("--seed", type=_at_least(0), default=0)
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("annotate-text", help="label texts with the trained annotator: concepts and scores",
@@ -541,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("annotator", help="a run directory, or an annotator folder (RUN/annotator)")
     p.add_argument("text", nargs="*", help="texts to label (none: read one text from standard input)")
-    p.add_argument("--top", type=int, default=0,
+    p.add_argument("--top", type=_at_least(0), default=0,
                    help="show the N best-scored labels per domain instead of the decided ones")
     p.set_defaults(fn=cmd_annotate_text)
 
@@ -550,9 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("query", nargs="+", help="query texts")
-    p.add_argument("-k", type=int, default=10, help="chunks per query")
-    p.add_argument("--nprobe", type=int, default=None, help="coarse lists to search (default: the index stage's)")
-    p.add_argument("--chars", type=int, default=200, help="characters of each chunk to show")
+    p.add_argument("-k", type=_at_least(1), default=10, help="chunks per query")
+    p.add_argument("--nprobe", type=_at_least(1), default=None,
+                   help="coarse lists to search (default: the index stage's)")
+    p.add_argument("--chars", type=_at_least(1), default=200, help="characters of each chunk to show")
     p.set_defaults(fn=cmd_search)
 
     p = sub.add_parser("export", help="write the release view: chunks, concepts, field guide, co-occurrence")
@@ -681,13 +737,39 @@ def _prefect_logging_config() -> None:
     os.environ["PREFECT_LOGGING_SETTINGS_PATH"] = str(path)
 
 
+def _confined(args) -> contextlib.AbstractContextManager:
+    """Where a command may write: its run directory and its named output (``OUT``), nowhere else, whatever links
+    inside them say (``atlas.core.files.confined_writes``). A command that writes a run's report must be given an
+    Atlas run. `atlas run` and `atlas plan` confine themselves once their config is read."""
+    from atlas.config import is_url
+    from atlas.core.files import confined_writes
+    from atlas.core.ownership import require_owned
+    from atlas.core.rundir import RunDir
+
+    if args.command in ("run", "plan", "estimate") or args.command.startswith("cblm"):
+        return contextlib.nullcontext()
+    roots = [value for key in ("run_dir", "out") if (value := getattr(args, key, None)) and not is_url(value)]
+    if getattr(args, "push_to_hub", None):  # a local mirror, and the folder it is staged in
+        from atlas.tools.publish import PublishError, destination, staging_folder
+
+        with contextlib.suppress(PublishError):
+            if isinstance(target := destination(args.push_to_hub), Path):
+                roots += [target, staging_folder(target)]
+    if args.command in (*WRITE_REPORT, "stage") and roots:
+        require_owned(roots[0], "run", "run directory")
+    if getattr(args, "run_dir", None) and (Path(args.run_dir) / "manifest.json").is_file():
+        RunDir(args.run_dir).check_links()
+    return confined_writes(*roots) if roots else contextlib.nullcontext()
+
+
 def _run_command(args) -> int:
     """Run the command; a run directory given as a URL is read from its local copy (atlas.io.remote_run)."""
     from atlas.config import is_url
 
     url = getattr(args, "run_dir", None) if args.command in (*READ_COMMANDS, "stage") else None
     if not url or not is_url(url):
-        return args.fn(args)
+        with _confined(args):
+            return args.fn(args)
     if args.command == "stage":
         raise UsageError(f"--run-dir {url}: SLURM array tasks need the run directory on a file system their nodes "
                          f"share; a run in object storage runs with `atlas run CONFIG --run-dir {url}`")
@@ -695,7 +777,8 @@ def _run_command(args) -> int:
     from atlas.io.remote_run import RunMirror, local_run
 
     args.run_dir = str(local_run(url, metadata_only=args.command == "status"))
-    code = args.fn(args)
+    with _confined(args):
+        code = args.fn(args)
     if args.command in WRITE_REPORT:
         RunMirror(url, args.run_dir).push_tree([Path(args.run_dir) / layout.REPORT])
     return code
@@ -719,11 +802,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with _log_to_terminal(), sigterm_as_interrupt():
-            return _run_command(args)
+            code = _run_command(args)
+            sys.stdout.flush()  # a reader that left (`| head -1`) is found here, not at exit
+            return code
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, no traceback (the run lock is released on the way)
         terminated = isinstance(e, Terminated)
         print(_interrupted(args, "terminated" if terminated else "interrupted"), file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    except BrokenPipeError:  # the reader of standard output left: stop quietly, as a command in a pipe does
+        with contextlib.suppress(OSError, ValueError):  # Python flushes stdout at exit: into devnull, not the pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ConfigError, UsageError, InputError, RunConflict, RunLocked, StageFailed, MissingExtra, FileNotFoundError,
             FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -731,6 +820,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a full disk, a read-only or unwritable run directory: every write is atomic
         print(f"error: {e}\nNothing written so far is lost (every file is written whole, then renamed); "
               f"fix the cause and rerun the same command to continue.", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - reading a run: what its readers did not foresee is still one line
+        if args.command not in (*READ_COMMANDS, "annotate-text"):
+            raise
+        run = getattr(args, "run_dir", None) or args.annotator
+        print(f"error: {run}: {type(e).__name__} while reading it ({' '.join(str(e).split())[:300]}): a file of the "
+              f"run is damaged or was edited; `atlas status {run}` shows its stages, and recomputing the stage that "
+              f"wrote the file replaces it (atlas run CONFIG --force --stages STAGE)", file=sys.stderr)
         return 1
 
 

@@ -118,7 +118,7 @@ class LLMConfig(Section):
     temperature: float = Field(default=0.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=512, ge=1)  # per answer; an answer cut here is finish_reason "length"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
     # openai: any OpenAI-compatible server. The key is read from the environment variable named
     # here and never written to configs, manifests, logs or reports.
     base_url: str = "http://127.0.0.1:8000/v1"
@@ -133,7 +133,7 @@ class LLMConfig(Section):
     # vllm: offline batched inference on local GPUs
     tensor_parallel_size: int = Field(default=1, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    max_model_len: int | None = 8192
+    max_model_len: int | None = Field(default=8192, ge=1)
     dtype: str = "auto"
 
 
@@ -146,6 +146,9 @@ class TagConfig(Section):
     # corpus domain -> tag schema; domains not listed use the schema of the same name, else "generic"
     domain_schemas: dict[str, str] = Field(default_factory=dict)
     max_attempts: int = Field(default=3, ge=1)  # answers that fail validation are asked again, then quarantined
+    # A shard whose quarantined share of its sampled chunks passes this fails (and runs again on the next run): an
+    # endpoint that is down or a key that is unset quarantines every chunk, which is no result. 1: never fail.
+    max_failed_share: float = Field(default=0.5, ge=0, le=1)
     # requests per call of a batch engine (offline, vLLM); a server gets llm.max_concurrency at once
     batch_size: int = Field(default=256, ge=1)
     # The library sample (paper 4.2: 6.6M of 1.84B documents tagged). A document is tagged when a stable hash of
@@ -183,10 +186,10 @@ class VocabConfig(Section):
 class LibraryConfig(Section):
     """From the tag vocabulary to the concept library (paper 4.2.2): cluster, filter, label, merge."""
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
     # k-sweep: None sweeps a grid from the vocabulary size (about n/200 to n/5); k fixes one value.
-    ks: list[int] | None = None
-    k: int | None = None
+    ks: list[Annotated[int, Field(ge=2)]] | None = Field(default=None, min_length=1)
+    k: int | None = Field(default=None, ge=2)
     # ... the largest k of the sweep whose silhouette is within this share of the best (0: the best silhouette). On the
     # dev corpus k = 500 and 1,000 were 1% to 8% apart, by seed: within the spread of k-means itself, so the finer
     # is kept; 2,000 was 25% below.
@@ -247,7 +250,7 @@ class LibraryConfig(Section):
     # for a cluster of armies): "lcsh" needs them installed once (bash scripts/get_lcsh.sh, 6 MB); "none": no bonus.
     name_headings: Literal["none", "lcsh"] = "none"
     # Dedup: edges to the m nearest concepts with cosine >= tau, Louvain, merge; one pass per tau.
-    dedup_taus: list[float] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
+    dedup_taus: list[Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=lambda: [0.95, 0.90, 0.85])
     dedup_m: int = Field(default=20, ge=1)
     dedup_min_merged: float = Field(default=0.005, ge=0)  # repeat a tau while a pass merges more than this share
     name_merge_tau: float = Field(default=0.9, gt=0, le=1)  # then: concepts whose names have cosine > this merge
@@ -261,16 +264,16 @@ class LibraryConfig(Section):
 class AnnotatorConfig(Section):
     """Stage 3 (paper 4.2.3): the targets, the reservoir and the concept annotator."""
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
     # Reservoir (long-tail enriched): up to min_per_concept chunks of every concept first, then a
     # uniform fill up to reservoir_size (None: every tagged chunk). Split by document, not chunk.
-    reservoir_size: int | None = None
+    reservoir_size: int | None = Field(default=None, ge=1)
     min_per_concept: int = Field(default=20, ge=1)
     heldout_fraction: float = Field(default=0.2, gt=0, lt=1)  # paper: 597k of 2.9M chunks held out
     # Auxiliary labels, offline engine: a label applies when its similarity to the chunk is aux_min_z
     # standard deviations above its mean over the reservoir and at least aux_min_similarity.
-    aux_min_z: float = 2.0
-    aux_min_similarity: float = 0.2
+    aux_min_z: float = Field(default=2.0, ge=-10, le=10)
+    aux_min_similarity: float = Field(default=0.2, ge=-1, le=1)
     # Model: encoder -> pooled embedding; content head = scale * <embedding, K_c> + b_c with K initialized
     # from the concepts' "name: description" embeddings; MLP trunk + linear heads for the auxiliary domains.
     encoder: str = "all-MiniLM-L6-v2"  # paper: Qwen3-Embedding-0.6B (a local folder or the HF cache)
@@ -333,10 +336,10 @@ class IndexConfig(Section):
     """FAISS IVFPQ over the chunk embeddings, for training-data attribution (paper 4.6)."""
 
     code_bytes: int = Field(default=64, ge=1)  # PQ code size per vector
-    nlist: int | None = None  # None: the documented rule in atlas.models.ivfpq.nlist_for
+    nlist: int | None = Field(default=None, ge=1)  # None: the documented rule in atlas.models.ivfpq.nlist_for
     nprobe: int = Field(default=16, ge=1)  # coarse clusters searched (paper: recall@10 0.968 at 16)
     on_disk: bool | None = None  # None: on-disk inverted lists above atlas.models.ivfpq's size threshold
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
 
 
 class ExecutionConfig(Section):
@@ -349,7 +352,7 @@ class ExecutionConfig(Section):
     ray_address: str | None = None  # ray: None starts a local instance; "auto" or "ray://head:10001" joins a cluster
     # ray: GPUs per actor by stage, e.g. {annotate: 1}: that stage's shards run on long-lived actors (one model load
     # per actor, as many actors as the cluster's GPUs hold), not as one Ray task per shard
-    ray_gpus: dict[str, float] = Field(default_factory=dict)
+    ray_gpus: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     shard_retries: int = Field(default=1, ge=0)  # a failed shard task is run again this many times (Prefect only)
     shard_retry_delay_seconds: float = Field(default=5.0, ge=0)
     progress: bool = True
@@ -418,6 +421,33 @@ def _explain(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping (two `library:` sections) is an error: YAML itself
+    keeps the last one, and the first section's settings would be dropped without a word."""
+
+
+def _mapping_without_repeats(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key == "<<":  # a merge key, which YAML allows more than once
+            continue
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{key!r} is given twice in the same section (first on line {seen[key]}): keep one, "
+                f"with all its settings", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_repeats)
+
+
+def _local(path: str) -> str:
+    """A local path as written in a config or on the command line, ``~`` expanded (a URL stays as it is)."""
+    return path if is_url(path) else os.path.expanduser(path)
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """Apply ``a.b.c=value`` to a nested dict; the value is parsed as YAML (numbers, lists, null...)."""
     if "=" not in assignment:
@@ -448,7 +478,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
         if not path.exists():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
@@ -459,10 +489,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
     for assignment in overrides:
         apply_override(data, assignment)
     if input is not None:  # JSON strings are YAML: the path is taken as it is, never parsed as a number or a list
-        where = str(input) if is_url(input) else str(Path(input).resolve())
+        where = str(input) if is_url(input) else str(Path(_local(str(input))).resolve())
         apply_override(data, f"input.path={json.dumps(where)}")
     if run_dir is not None:
-        where = str(run_dir) if is_url(run_dir) else str(Path(run_dir).resolve())  # a URL is kept as it is
+        where = str(run_dir) if is_url(run_dir) else str(Path(_local(str(run_dir))).resolve())  # a URL: as it is
         apply_override(data, f"run_dir={json.dumps(where)}")
     if data.get("run_url") is not None:
         raise ConfigError(f"{source}: run_url is set by Atlas; write the URL as run_dir (run_dir: s3://bucket/runs/x)")
@@ -472,6 +502,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
         raise ConfigError(_explain(e, source)) from None
     if config.run_dir.startswith("file://"):
         config.run_dir = config.run_dir.removeprefix("file://")
+    config.run_dir = _local(config.run_dir)
+    if config.local_copy:
+        config.local_copy = _local(config.local_copy)
     if is_url(config.run_dir):  # Path() would make "s3://b/run" a local folder "s3:/b/run"
         config.run_url = config.run_dir.rstrip("/")
         config.run_dir = config.local_copy or str(default_local_copy(config.run_url))
@@ -483,9 +516,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, in
         config.local_copy = config.run_dir
     for section, key in ((config.tag, "prompt"), (config.tag, "schema_dir"), (config.annotate, "annotator_from")):
         if getattr(section, key):
-            setattr(section, key, str((base / getattr(section, key)).resolve()))
+            setattr(section, key, str((base / _local(getattr(section, key))).resolve()))
     if config.input.path and not is_url(config.input.path):
-        config.input.path = str((base / config.input.path).resolve())
+        config.input.path = str((base / _local(config.input.path)).resolve())
+    if config.input.path and not is_url(config.input.path) and Path(config.input.path).is_dir():
+        run, folder = Path(config.run_dir), Path(config.input.path)
+        if run == folder or folder in run.parents:
+            raise ConfigError(f"{source}: run_dir {run} is inside the input folder {folder}: the run's own "
+                              f"files would be read as input; put the run directory outside it")
     if problems := _missing_files(config) + _unknown_domains(config, declared):
         raise ConfigError("\n".join([f"invalid configuration in {source}:", *problems]))
     return config

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 from atlas.config import AtlasConfig, ConfigError, config_from_dict
 from atlas.core.extras import require
-from atlas.core.files import atomic_write_json, read_json, stable_hash
+from atlas.core.files import InputError, atomic_write_json, confined_writes, read_json, stable_hash
 from atlas.core.lock import run_lock, shard_running
+from atlas.core.ownership import NotOwned
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -82,12 +83,13 @@ def run_one_shard(config: dict, stage_name: str, shard: int, stage_hash: str) ->
                 stage.setup()
                 _WORKER_STAGES[key] = stage
         run = RunDir(stage.config.run_dir, mirror_of(stage.config))
-        started, start = time.time(), time.perf_counter()
-        stats = stage.run_shard(run, shard)
-        seconds = time.perf_counter() - start
-        run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
-        if run.mirror is not None:  # the shard's files, then its marker
-            run.mirror.push_shard(stage_folders(run, stage), started, run.marker_path(stage.output, shard))
+        with confined_writes(run.root):  # a worker process of its own (Ray, processes) is confined here
+            started, start = time.time(), time.perf_counter()
+            stats = stage.run_shard(run, shard)
+            seconds = time.perf_counter() - start
+            run.mark_shard_done(stage.output, shard, stage_hash, stats.to_dict(), seconds)
+            if run.mirror is not None:  # the shard's files, then its marker
+                run.mirror.push_shard(stage_folders(run, stage), started, run.marker_path(stage.output, shard))
         return stats.to_dict()
 
 
@@ -196,6 +198,8 @@ def check_run(config: AtlasConfig, stages: Sequence[str] | None = None, force: b
             for later in stages_after(name):
                 hashes.pop(later, None)
                 recorded.pop(later, None)
+            for cleared in [name, *stages_after(name)]:
+                _check_clearable(run, STAGES[cleared])
         hashes[name] = stage_hash
         done = not force and run.is_stage_done(stage.output, stage_hash)
         if not done and not plan_only:
@@ -206,6 +210,18 @@ def check_run(config: AtlasConfig, stages: Sequence[str] | None = None, force: b
             require(stage.extras(), f"stage '{name}'")  # a core install says which extra a stage needs
         checked.append(Checked(name, stage, identity, stage_hash, done))
     return checked
+
+
+def _check_clearable(run: RunDir, stage: type[Stage]) -> None:
+    """--force deletes a stage's folders: refused, before anything is deleted, when they hold files the stage did not
+    write or a link out of the run."""
+    for output in (stage.output, *stage.extra_outputs):
+        run.check_contained(output)
+    if foreign := run.foreign_files(stage.output, stage.extra_outputs):
+        shown = ", ".join(str(p.relative_to(run.root)) for p in foreign[:5])
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise NotOwned(f"{run.root}: --force would delete {shown}{more}, which stage '{stage.name}' did not write; "
+                       f"nothing was deleted. Move them out of the run directory, then rerun")
 
 
 def run_stages(
@@ -223,7 +239,8 @@ def run_stages(
     Holds the run lock (``RunLocked`` when another process drives the run). ``checked``: what ``check_run`` gave a
     caller that holds the lock already; otherwise the run is checked here, and a refused run writes nothing."""
     run = RunDir(config.run_dir, mirror_of(config))
-    with run_lock(run.root, mirror=run.mirror):
+    with run_lock(run.root, mirror=run.mirror), confined_writes(run.root):
+        run.check_links()
         checked = checked if checked is not None else check_run(config, stages, force, plan_only)
         return _run_checked(run, config, checked, force, map_shards, plan_only, log, on_stage)
 
@@ -276,12 +293,15 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
         manifest = run.read_manifest()
         if manifest.get("config") != config_dict:  # `atlas stage` (SLURM tasks) runs with the manifest's config
             run.write_manifest(dict(manifest, config=config_dict))
+        for output in (stage.output, *stage.extra_outputs):  # Zarr, FAISS and torch write there past core.files
+            run.check_contained(output)
         report.num_shards = stage.plan(run, stage_hash)
         if run.mirror is not None:  # its plan files, which a run resumed on another machine reads
             run.mirror.push_tree(stage_folders(run, stage))
         # The record is written whole (hash first of all): readers never see a stage without its hash.
         run.update_stage(name, hash=stage_hash, identity=item.identity, num_shards=report.num_shards,
                          status="planned" if plan_only else "running", output=stage.output, failed_shards=[],
+                         finalize_error=None,
                          errors={})
         if plan_only:
             log(f"{name}: planned {report.num_shards} shard(s) in {run.output_dir(stage.output)}")
@@ -318,10 +338,17 @@ def _run_checked(run: RunDir, config: AtlasConfig, checked: list[Checked], force
             marker = run.shard_marker(stage.output, shard)
             stats.merge(marker["counters"])
             seconds += marker["seconds"]
-        stage.finalize(run, stats)
+        try:
+            stage.finalize(run, stats)
+        except Exception as e:  # the stage's global checks refused its result: not done, and said so
+            run.update_stage(name, status="failed", finalize_error=f"{type(e).__name__}: {e}"[:500])
+            on_stage(run, name)
+            if isinstance(e, InputError):
+                raise
+            raise StageFailed(f"{name}: {e}") from e
         atomic_write_json(run.stats_path(stage.output), {"stage": name, "counters": stats.to_dict()})
         write_dataset_card(run.output_dir(stage.output), name)  # so that datasets.load_dataset reads the folder
-        run.mark_stage_done(stage.output, stage_hash)
+        run.mark_stage_done(stage.output, stage_hash, stage.extra_outputs)
         if run.mirror is not None:  # and the plots it drew in RUN/report/
             run.mirror.push_tree([*stage_folders(run, stage), run.root / layout.REPORT])
         report.counters, report.seconds = stats.to_dict(), seconds

@@ -26,6 +26,7 @@ from atlas.cblm.attribution import (
 )
 from atlas.cblm.data import TokenData
 from atlas.cblm.model import CBLM, ModelConfig
+from atlas.core.ownership import claim
 
 T = 16
 
@@ -166,7 +167,7 @@ def tiny_run(tmp_path_factory):
     from atlas.io.embedding_store import create_store, finish, write_rows
     from atlas.models.ivfpq import build_ivfpq
 
-    root = tmp_path_factory.mktemp("run")
+    root = claim(tmp_path_factory.mktemp("run"), "run", "run directory")  # an Atlas run: cblm trains only in one
     rng = np.random.default_rng(0)
     lengths = rng.integers(5, 30, size=300)  # chunks of 5..29 tokens, many cut by window boundaries
     ids = [f"doc{i // 3}:{i % 3:05d}" for i in range(len(lengths))]

@@ -19,6 +19,7 @@ from test_corpus import copy_run
 
 from atlas.cli import main
 from atlas.core.files import ArtifactError, atomic_write_parquet
+from atlas.core.ownership import NotOwned
 from atlas.core.rundir import RunDir
 from atlas.io.tokens import INDEX_SCHEMA, STREAM
 from atlas.models.tokenizer import BOS, ENDOFTEXT, EOC
@@ -113,7 +114,7 @@ def test_a_rerun_gives_the_same_bytes_and_other_folders_are_refused(tokens_run, 
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not an earlier token export"):
+    with pytest.raises(NotOwned, match="not a folder Atlas created"):
         export_tokens(tokens_run.root, foreign)
     assert (foreign / "notes.txt").read_text() == "mine"
     _, untokenized = trained

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from conftest import finish_process, wait_for, write_config, write_jsonl
 
+from atlas.core.ownership import claim
 from atlas.stages import STAGES
 
 pytestmark = pytest.mark.slow
@@ -202,6 +203,7 @@ def test_a_full_disk_gives_a_clear_error_and_the_rerun_completes(pipeline, tmp_p
     run_dir = tmp_path / "run"
     # The reference run's caches (tag answers, embeddings): computing the stages before annotate again, where the
     # disk fills, took most of this test's time. Annotate reads no cache: it computes what it writes.
+    claim(run_dir, "run", "run directory")  # the folder is the run's before its caches are copied in
     shutil.copytree(config.parent / "run" / "_cache", run_dir / "_cache")
     config = with_run_dir(config, run_dir)
     finish(atlas_run(config, "chunk,tag"), "`atlas run --stages chunk,tag`")

@@ -164,5 +164,5 @@ def test_push_to_hub_refuses_before_exporting_without_a_token_or_into_a_foreign_
     foreign.mkdir()
     (foreign / "mine.txt").write_text("keep me")
     assert main(["export", str(run.root), str(out), "--push-to-hub", str(foreign)]) == 1
-    assert "not empty and not an earlier mirror" in capsys.readouterr().err
+    assert "not a folder Atlas created" in capsys.readouterr().err
     assert [p.name for p in foreign.iterdir()] == ["mine.txt"] and not out.exists()

@@ -67,7 +67,7 @@ def test_a_bucket_folder_reads_as_the_same_local_folder(corpus, tmp_path):
     assert plan["files"] == [f"s3://{BUCKET}/corpus/a.jsonl", f"s3://{BUCKET}/corpus/sub/b.jsonl.gz"]
     assert len(docs) == 30 and plan["renamed"] == local_plan["renamed"] == 1
     assert [dataclasses.asdict(d) for d in docs] == as_remote(local_docs, corpus, f"s3://{BUCKET}")
-    assert docs[20].doc_id == f"{docs[3].doc_id}@b.jsonl.gz:0"  # an id a.jsonl has, renamed the same way
+    assert docs[20].doc_id == f"{docs[3].doc_id}@sub/b.jsonl.gz:0"  # an id a.jsonl has, renamed the same way
     assert [dataclasses.asdict(r) for r in rejects] == as_remote(local_rejects, corpus, f"s3://{BUCKET}")
     assert [(r.file, r.row, r.reason) for r in rejects] == [(f"s3://{BUCKET}/corpus/a.jsonl", 12, "invalid_json"),
                                                              (f"s3://{BUCKET}/corpus/a.jsonl", 13, "missing_field")]

@@ -101,7 +101,8 @@ def test_persistent_faults_are_quarantined_with_reason_and_raw_answer(tmp_path, 
     """One attempt per chunk (max_attempts 1), so every bad answer is quarantined; HTTP 500s are sticky."""
     with FaultServer(mode="mixed", fault_rate=0.5, seed=5, sticky=True,
                      faults=("invalid_json", "truncated", "missing_field", "http_500")) as server:
-        config = load_config(write_config(tmp_path, docs, **openai_sections(server, tag={"max_attempts": 1})))
+        tag = {"max_attempts": 1, "max_failed_share": 1}  # half the answers fail here: the shards must not
+        config = load_config(write_config(tmp_path, docs, **openai_sections(server, tag=tag)))
         run_stages(config, TAGGING, log=lambda m: None)
     run = RunDir(config.run_dir)
     n_chunks, n_tagged, n_quarantined = accounted(run)

@@ -242,7 +242,7 @@ def nearest_training_chunks(run_dir: str | Path, transducer: Transducer, states:
     run's index (RUN/index unless ``index_folder``); index row i is row i of RUN/embeddings.zarr."""
     from atlas.core.rundir import RunDir
     from atlas.io import layout
-    from atlas.io.embedding_store import open_embeddings
+    from atlas.io.embedding_store import stored_ids
     from atlas.models.ivfpq import load_index, search
 
     folder = Path(index_folder) if index_folder else RunDir(run_dir).output_dir(layout.INDEX)
@@ -251,7 +251,7 @@ def nearest_training_chunks(run_dir: str | Path, transducer: Transducer, states:
     with torch.no_grad():
         queries = transducer(_tensor(states, device)).cpu().numpy()
     scores, rows = search(index, queries, k)
-    chunk_ids = open_embeddings(run_dir)["chunk_id"][:]
+    chunk_ids = stored_ids(run_dir)  # checked: a store whose ids were deleted is an error, not empty ids
     return [[(str(chunk_ids[r]), float(s)) for s, r in zip(score_row, row) if r >= 0]
             for score_row, row in zip(scores, rows)]
 
@@ -314,7 +314,7 @@ def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hi
     refit), unless ``force``."""
     from atlas.cblm import checkpoint
     from atlas.cblm.data import TokenData
-    from atlas.io.embedding_store import open_embeddings
+    from atlas.io.embedding_store import open_embeddings, stored_ids
 
     folder = Path(model_folder) / TRANSDUCER
     settings = {"hidden": hidden, "steps": steps, "lr": lr, "batch_size": batch_size, "nprobe": nprobe, "seed": seed,
@@ -330,7 +330,7 @@ def build_training_attribution(run_dir: str | Path, model_folder: str | Path, hi
     model, state = checkpoint.load(Path(model_folder), device)
     data = TokenData(run_dir, model.config.seq_len, state["train_config"]["val_fraction"], vocab=state["vocab"])
     store = open_embeddings(run_dir)
-    row_of = {cid: i for i, cid in enumerate(store["chunk_id"][:].tolist())}
+    row_of = {cid: i for i, cid in enumerate(stored_ids(run_dir).tolist())}
 
     def aligned(windows: np.ndarray, skip: set) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """Pooled states, annotator embeddings and chunk ids of the chunks in ``windows`` that have an embedding."""

@@ -371,8 +371,9 @@ def add_parser(sub) -> None:
     p.add_argument("--name", help="output folder under RUN/cblm (default: cblm, or baseline with --baseline)")
     p.add_argument("--baseline", action="store_true", help="no concept module: the same backbone and budget")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a training setting (repeatable)")
-    p.add_argument("--force", action="store_true", help="delete RUN/cblm/<name> (model, log, metrics, transducer) "
-                                                        "and train from scratch; without it a trained model is kept")
+    p.add_argument("--force", action="store_true", help="delete what atlas cblm wrote into RUN/cblm/<name> (model, "
+                                                        "log, metrics, transducer, prototypes) and train from "
+                                                        "scratch; without it a trained model is kept")
     p.set_defaults(fn=cmd_train)
 
     p = cblm.add_parser("eval", help="validation metrics of a trained model on all held-out windows")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from atlas.core.files import InputError
 from atlas.io import layout
 from atlas.io.tokens import TokenShards
 from atlas.models.tokenizer import BOS, ENDOFTEXT, EOC, MASK, PAD, VOCAB_SIZE
@@ -71,7 +72,7 @@ class TokenData:
             windows.append(tokens)
             chunk_rows.append(rows)
         if not windows:
-            raise ValueError(f"{folder}: fewer than {seq_len + 1} tokens in every shard; lower seq_len")
+            raise InputError(f"{folder}: fewer than {seq_len + 1} tokens in every shard; lower seq_len")
         cl100k_windows = np.concatenate(windows)
         if vocab is None:
             used = np.unique(cl100k_windows) if compact_vocab else np.arange(VOCAB_SIZE)

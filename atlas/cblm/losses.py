@@ -229,7 +229,10 @@ def compute_steering(model, batch, data: SteeringData, tau: float, lambdas=(1.0,
     injected_at = concept_at >= 0
     injected, _, peak = steering_directions(model)
     chosen = concept_at.clamp_min(0)
-    vectors = (tau / peak.clamp_min(1e-6))[chosen, None] * injected[chosen]  # [B, T, d]
+    # F.embedding, not injected[chosen]: on a CPU with several threads the backward of indexing adds the positions
+    # of a concept chosen at many of them with parallel atomic adds, in whatever order the threads run, so two runs
+    # of the same steps (a resumed one and an uninterrupted one) differ by ~1e-6; embedding's backward adds in order
+    vectors = F.embedding(chosen, (tau / peak.clamp_min(1e-6))[:, None] * injected)  # [B, T, d]
     steer = Steering(direction=vectors, gamma=1.0, layer=injection_layer(model.config), positions=injected_at)
     logits, parts = model(inputs, steer=steer)
     losses = {"lm": lm_loss(logits, targets, scored), "respond": respond_loss(parts.known_logits, concept_at),

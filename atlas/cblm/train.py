@@ -3,8 +3,10 @@
 nanoGPT-style: the whole training loop is ``train`` below, read top to bottom. It writes ``RUN/cblm/<name>/``:
 
     checkpoint/     weights, optimizer and state (see ``checkpoint.py``); a rerun resumes from it exactly
-    log.jsonl       one line per evaluation: step, learning rate, teacher forcing, train and validation metrics
+    log.jsonl       one line per evaluation: step, learning rate, teacher forcing, train and validation metrics;
+                    a resume cuts it back to the checkpoint's step, so a step trained again is logged once
     metrics.json    the final validation metrics (``metrics.evaluate``)
+    _lock           while a process trains the model (``atlas.core.lock``): a second trainer of it is refused
 
 Schedules (``seeds/NOTES.md`` 1.8-1.9), as functions of the step so a resumed run follows them exactly:
 
@@ -28,16 +30,19 @@ Once K carries words, the unknown head must subtract them from h, which it did o
 at the paper's scale (summed over d, Eq. 11; it was divided by d); otherwise the residual eps took a third of h.
 
 Dropout, diffusion masks and teacher-forcing draws are seeded from (seed, step), and a step's batch comes from
-``TokenData.train_batch(step)``: an interrupted and resumed run reaches the same weights as an uninterrupted one.
+``TokenData.train_batch(step)``: an interrupted and resumed run reaches the same weights as an uninterrupted one
+(on as many threads; no step uses a kernel whose sums follow thread timing, see ``losses.compute_steering``).
 """
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import json
 import logging
 import math
+import os
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -50,6 +55,9 @@ from atlas.cblm.data import SteeringData, TokenData
 from atlas.cblm.losses import compute, compute_steering
 from atlas.cblm.metrics import evaluate
 from atlas.cblm.model import CBLM, ModelConfig, injection_layer
+from atlas.core.files import InputError
+from atlas.core.lock import LOCK_NAME, run_lock
+from atlas.core.ownership import NotOwned, foreign_files, require_owned
 from atlas.models.tokenizer import MASK
 
 logger = logging.getLogger("atlas.cblm.train")  # steps, losses, resumes: `atlas cblm train` prints them
@@ -139,25 +147,104 @@ class TrainConfig:
 
     @classmethod
     def from_overrides(cls, run_dir: str, overrides: list[str]) -> TrainConfig:
-        """``key=value`` strings, typed by the field they set: ``["d_model=128", "objective=diffusion"]``."""
+        """``key=value`` strings, typed by the field they set: ``["d_model=128", "objective=diffusion"]``; checked
+        (``check``) before it is returned. ``SettingError`` names the first wrong one."""
         config, types = cls(run_dir=run_dir), {f.name: f.type for f in fields(cls)}
         for item in overrides:
             key, sep, value = item.partition("=")
-            if not sep or key not in types:
-                raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(types))}")
-            kind = types[key]
-            if kind == "bool":
-                parsed = value.lower() in ("1", "true", "yes", "on")
-            else:
-                parsed = {"int": int, "float": float}.get(kind, str)(value)
-            setattr(config, key, parsed)
-        if config.head not in ("concepts", "prism", "none"):
-            raise ValueError(f"--set head={config.head}: expected concepts, prism or none")
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", config.name) or ".." in config.name:
-            # the name is a folder under RUN/cblm/: "../x" or "/x" must not write outside the run
-            raise ValueError(f"name={config.name!r}: use letters, digits, '_', '-' and '.' only "
-                             "(it names RUN/cblm/<name>)")
+            if not sep:
+                raise SettingError(f"--set {item!r}: expected KEY=VALUE")
+            if key not in types:
+                nearest = difflib.get_close_matches(key, list(types), n=1, cutoff=0.0)
+                raise SettingError(f"--set {item!r}: no setting {key!r}; the nearest is {nearest[0]!r} (the settings "
+                                   "are the fields of TrainConfig in atlas/cblm/train.py)")
+            setattr(config, key, _parse(key, value, types[key]))
+        config.check()
         return config
+
+    def check(self) -> None:
+        """``SettingError`` for the first setting out of its range (``RANGES``, ``CHOICES``) or at odds with
+        another, so that a wrong setting is refused before a model folder is written or deleted."""
+        types = {f.name: f.type for f in fields(self)}
+        for key, (least, most, low_open, high_open) in RANGES.items():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int if types[key] == "int" else int | float):
+                raise SettingError(f"{key}={value!r}: expected {'an integer' if types[key] == 'int' else 'a number'}")
+            below = value < least if not low_open else value <= least
+            above = most is not None and (value > most if not high_open else value >= most)
+            if not math.isfinite(value) or below or above:
+                bounds = _describe_range(least, most, low_open, high_open)
+                raise SettingError(f"{key}={value!r}: {key} must be {bounds}")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise SettingError(f"{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
+            # the name is a folder under RUN/cblm/: "../x" or "/x" must not write outside the run
+            raise SettingError(f"name={self.name!r}: use letters, digits, '_', '-' and '.' only "
+                               "(it names RUN/cblm/<name>)")
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise SettingError(f"d_model={self.d_model}, n_head={self.n_head}: d_model must be n_head times an even "
+                               "head size (RoPE rotates pairs of coordinates)")
+        if self.rope == "pi" and self.n_head % 2:
+            raise SettingError(f"rope=pi pairs signal and noise heads: n_head must be even, not {self.n_head}")
+        if self.mixer == "prototype" and self.objective != "ar":
+            raise SettingError("mixer=prototype is strictly causal: it trains with objective=ar only")
+        if self.steer_layer >= self.n_layer:
+            raise SettingError(f"steer_layer={self.steer_layer}: the model has layers 0-{self.n_layer - 1} "
+                               "(-1: n_layer // 2)")
+        if self.head == "concepts":
+            try:
+                steering_phases(self)
+            except ValueError as e:
+                raise SettingError(str(e)) from None
+
+
+class SettingError(InputError):
+    """A training setting that is unknown, of the wrong type or out of its range (one line, naming it)."""
+
+
+def _parse(key: str, value: str, kind: str):
+    """``value`` of ``--set key=value`` as the type of the setting."""
+    if kind == "bool":
+        if value.lower() not in BOOLEANS:
+            raise SettingError(f"--set {key}={value}: expected true or false")
+        return BOOLEANS[value.lower()]
+    try:
+        return {"int": int, "float": float}.get(kind, str)(value)
+    except ValueError:
+        raise SettingError(f"--set {key}={value}: expected {'an integer' if kind == 'int' else 'a number'}") from None
+
+
+def _describe_range(least: float, most: float | None, low_open: bool, high_open: bool) -> str:
+    if most is None:
+        return f"{'>' if low_open else '>='} {least:g}"
+    return f"in {'(' if low_open else '['}{least:g}, {most:g}{')' if high_open else ']'}"
+
+
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# Every numeric setting's range: (least, most or None for no bound, least excluded, most excluded). Values outside
+# make a run fail or loop later (batch_size=0, checkpoint_every=0), after --force would have deleted the old model.
+_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = (1, None, False, False), (0, None, False, False), (0, None, True, False)
+_FRACTION, _BELOW_1 = (0, 1, False, False), (0, 1, False, True)
+RANGES: dict[str, tuple[float, float | None, bool, bool]] = {
+    "mixer_channels": _AT_LEAST_1, "prototypes": _AT_LEAST_1, "prototype_topk": _AT_LEAST_1,
+    "seq_len": _AT_LEAST_1, "n_layer": _AT_LEAST_1, "n_head": _AT_LEAST_1, "d_model": (2, None, False, False),
+    "block_size": _AT_LEAST_1, "unknown_ratio": _AT_LEAST_1, "unknown_rank": _AT_LEAST_1, "topk_known": _AT_LEAST_0,
+    "p_eps": _FRACTION, "p_known_drop": _FRACTION,
+    "max_steps": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "lr": _POSITIVE, "warmup_frac": _FRACTION,
+    "decay_frac": _FRACTION, "weight_decay": _AT_LEAST_0, "beta1": _BELOW_1, "beta2": _BELOW_1,
+    "grad_clip": _POSITIVE,
+    "lambda_concept": _AT_LEAST_0, "lambda_rec": _AT_LEAST_0, "lambda_indep": _AT_LEAST_0,
+    "lambda_prism": _AT_LEAST_0, "lambda_div": _AT_LEAST_0, "lambda_known": _AT_LEAST_0,
+    "alpha_floor_known": _FRACTION, "alpha_floor_unknown": _FRACTION, "alpha_warm_frac": _FRACTION,
+    "steering_phases": _AT_LEAST_0, "steering_phase_frac": _FRACTION, "steering_tau": _AT_LEAST_0,
+    "steering_lifted": _AT_LEAST_1, "steer_layer": (-1, None, False, False),
+    "lambda_respond": _AT_LEAST_0, "lambda_express": _AT_LEAST_0,
+    "val_fraction": _BELOW_1, "eval_every": _AT_LEAST_1, "eval_batches": _AT_LEAST_1,
+    "checkpoint_every": _AT_LEAST_1, "log_every": _AT_LEAST_1, "seed": _AT_LEAST_0,
+}
+CHOICES = {"head": ("concepts", "prism", "none"), "objective": ("ar", "diffusion"),
+           "mixer": ("attention", "prototype"), "rope": ("standard", "pi"), "concept_aggregation": ("token", "or")}
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -274,31 +361,94 @@ def trained_metrics(config: TrainConfig) -> dict | None:
     return json.loads((out / "metrics.json").read_text())
 
 
+# What the cblm commands write into RUN/cblm/<name> (fnmatch patterns of paths in it): training, then eval
+# --diagnostics, tda and prototypes. Anything else there is the user's, and a restart that would delete it is refused.
+TRAINED = ("checkpoint/model.safetensors", "checkpoint/optimizer.safetensors", "checkpoint/state.json",
+           "checkpoint.old/model.safetensors", "checkpoint.old/optimizer.safetensors", "checkpoint.old/state.json",
+           "log.jsonl", "metrics.json")
+WRITTEN = (*TRAINED, LOCK_NAME, "diagnostics.json", "transducer/transducer.safetensors", "transducer/config.json",
+           "transducer/fit.json", "transducer/fit.tmp", "prototypes/neighbours.parquet", "prototypes/neighbours.tmp",
+           "prototypes/cards.json")
+LOG = "log.jsonl"
+
+
 def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, force: bool = False) -> dict:
     """Train (or resume) and return the final validation metrics. A model already trained with this config is
-    left alone (its metrics.json is returned, nothing is evaluated again); ``force`` deletes RUN/cblm/<name> first
-    and trains from scratch. ``stop_after``: return after that many steps of this call, as if killed right after a
-    checkpoint (for tests of resume)."""
+    left alone (its metrics.json is returned, nothing is evaluated again); ``force`` deletes what the cblm commands
+    wrote into RUN/cblm/<name> and trains from scratch. ``stop_after``: return after that many steps of this call,
+    as if killed right after a checkpoint (for tests of resume).
+
+    The settings are checked, the run must be an Atlas run, and RUN/cblm/<name> is locked (``RunLocked`` while
+    another process trains it) before anything is written; nothing is deleted before the data and model are built."""
+    config.check()
+    require_owned(config.run_dir, "run", "run directory")
     out = model_folder(config)
-    if force and out.exists():
-        shutil.rmtree(out)
-        log(f"--force: removed {out}; training from scratch")
-    if (done := trained_metrics(config)) is not None:
+    with run_lock(out, claim_root=False):
+        return _train(config, out, log, stop_after, force)
+
+
+def _refuse_foreign(out: Path, where: tuple[str, ...] = ()) -> None:
+    """``NotOwned`` naming the files in ``out`` that the cblm commands did not write (only those under the folders
+    ``where``, when given): files a restart or a checkpoint would delete."""
+    foreign = [f for f in foreign_files(out, list(WRITTEN)) if not where or f.split("/")[0] in where]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise NotOwned(f"{out}: holds file(s) atlas cblm did not write ({shown}); nothing was deleted. Move them out "
+                       "of the folder, or train another model beside it with --name")
+
+
+def _delete(out: Path, patterns: tuple[str, ...]) -> bool:
+    """Delete the files of ``out`` matching ``patterns`` and the folders they leave empty; whether any was there."""
+    deleted = False
+    for path in sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # files before their folders
+        rel = path.relative_to(out).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if path.name in (checkpoint.CHECKPOINT, f"{checkpoint.CHECKPOINT}.old", ".checkpoint-tmp", "transducer",
+                             "prototypes") and not any(path.iterdir()):
+                path.rmdir()
+        elif any(fnmatch.fnmatchcase(rel, p) for p in patterns) or rel.startswith(".checkpoint-tmp/"):
+            path.unlink()
+            deleted = True
+    return deleted
+
+
+def _keep_log_to(out: Path, step: int) -> None:
+    """Cut the log back to the records of steps up to ``step`` (the checkpoint resumed from): the steps after it are
+    trained again and logged again. A line cut short by a kill is dropped too."""
+    path = out / LOG
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = out / f".{LOG}.tmp"
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _train(config: TrainConfig, out: Path, log, stop_after: int | None, force: bool) -> dict:
+    if not force and (done := trained_metrics(config)) is not None:
         log(f"{out} is already trained ({done.get('step')} steps): nothing to do")
         return done
-    out.mkdir(parents=True, exist_ok=True)
-    found = checkpoint.find(out)
+    found = None if force else checkpoint.find(out)
     saved = json.loads((found / "state.json").read_text()) if found else None
     if saved and (changed := changed_settings(saved["train_config"], config)):
-        raise ValueError(f"{out} holds a model trained with another configuration {changed}; add --force to "
-                         "retrain it from scratch (the schedules depend on max_steps, so a longer run starts over), "
-                         "or train another model beside it with --name")
+        raise SettingError(f"{out} holds a model trained with another configuration {changed}; add --force to "
+                           "retrain it from scratch (the schedules depend on max_steps, so a longer run starts over), "
+                           "or train another model beside it with --name")
+    # a fresh start clears the folder; every checkpoint replaces the folders checkpoint/ and checkpoint.old/
+    _refuse_foreign(out, () if saved is None else (checkpoint.CHECKPOINT, f"{checkpoint.CHECKPOINT}.old"))
 
     # data: windows of the token shards, in the vocabulary of the checkpoint when resuming
     data = TokenData(config.run_dir, config.seq_len, config.val_fraction, config.compact_vocab,
                      vocab=saved["vocab"] if saved else None)
     if len(data.train_windows) == 0:
-        raise ValueError(f"{config.run_dir}: no training windows of {config.seq_len + 1} tokens")
+        raise SettingError(f"{config.run_dir}: no training windows of {config.seq_len + 1} tokens; lower seq_len")
 
     # model and optimizer
     if config.device.startswith("cuda"):
@@ -311,6 +461,7 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
         model.load_state_dict(load_file(found / "model.safetensors", device=config.device))
         checkpoint.load_optimizer(found, optimizer, config.device)
         step = saved["step"]
+        _keep_log_to(out, step)
         log(f"resuming {out} at step {step}")
     counts = model.num_params()
     log(f"model: {counts['total']:,} parameters (backbone {counts['backbone']:,}, embedding {counts['embedding']:,} "
@@ -336,6 +487,9 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
             f"(L_LM + {config.lambda_respond:g} L_respond + {config.lambda_express:g} L_express, tau "
             f"{config.steering_tau:g} from layer {injection_layer(model.config)}; {steering_data.supported} of "
             f"{data.n_concepts} concepts have a lifted set of up to {config.steering_lifted} tokens)")
+    # everything that can refuse these settings or this data has run: only now is the earlier model deleted
+    if not saved and _delete(out, tuple(p for p in WRITTEN if p != LOCK_NAME) if force else TRAINED):
+        log(f"{'--force: ' if force else ''}removed the earlier model's files from {out}; training from scratch")
     started, steps_this_call, last = time.perf_counter(), 0, {}
     # time in forward, backward and update only (not evaluation or checkpoints), summed over resumed calls
     train_seconds = saved.get("train_seconds", 0.0) if saved else 0.0
@@ -381,7 +535,7 @@ def train(config: TrainConfig, log=logger.info, stop_after: int | None = None, f
                                device=config.device, seed=config.seed)
             record = {"step": step, "lr": lr, "alpha_known": alpha_known, "alpha_unknown": alpha_unknown,
                       "steering": steering, "train": last, "val": metrics}
-            with open(out / "log.jsonl", "a") as f:
+            with open(out / LOG, "a") as f:
                 f.write(json.dumps(record) + "\n")
             log(f"step {step}: val loss {metrics['val_loss']:.4f}"
                 + (f", concept loss {metrics['concept_loss']:.4f}, contribution {metrics['contribution']:.3f}, "

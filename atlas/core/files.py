@@ -33,6 +33,46 @@ class ArtifactError(InputError):
     recompute the stage that writes it."""
 
 
+class OutsideWriteRoots(InputError):
+    """A write that would land outside the folders the command writes to (through a symbolic link, or a name with
+    '..'): refused, and nothing is written."""
+
+
+# The folders this process writes to (a run directory, an export's OUT), set by ``confined_writes``; every atomic
+# write checks its real destination against them. Process-wide, not per thread: shard workers are threads.
+_WRITE_ROOTS: list[Path] = []
+
+
+@contextmanager
+def confined_writes(*roots: str | Path) -> Iterator[None]:
+    """For the ``with`` block, atomic writes land only under ``roots`` (resolved now), whatever symbolic links on the
+    way say: a received run whose ``report/`` is a link to another folder cannot make a command write there."""
+    resolved = [Path(root).resolve() for root in roots]
+    _WRITE_ROOTS.extend(resolved)
+    try:
+        yield
+    finally:
+        for root in resolved:
+            _WRITE_ROOTS.remove(root)
+
+
+def inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_write(path: str | Path) -> None:
+    """``OutsideWriteRoots`` when ``path``'s real place (its folder's symbolic links followed) is outside every root
+    of ``confined_writes``; no check outside such a block."""
+    if not _WRITE_ROOTS:
+        return
+    path = Path(path)
+    real = path.parent.resolve() / path.name
+    if not any(inside(real, root) for root in _WRITE_ROOTS):
+        roots = ", ".join(str(r) for r in _WRITE_ROOTS)
+        raise OutsideWriteRoots(f"{path}: refused to write there: it leads to {real}, outside {roots} (a symbolic "
+                                f"link inside the folder?); nothing was written. Replace the link with a folder")
+
+
 def temporary_path(path: Path) -> Path:
     """Where a file is written before it is renamed to ``path``: a hidden name in the same folder, per process."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -43,6 +83,7 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
     """A binary file written under a temporary name and renamed to ``path`` on a clean exit (for a file too large
     to hold in memory: ``atomic_write_bytes`` otherwise)."""
     path = Path(path)
+    check_write(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
     try:
@@ -83,6 +124,7 @@ def read_json(path: str | Path, expect_object: bool = True) -> Any:
 def atomic_write_parquet(path: str | Path, table: pa.Table) -> None:
     """Write a Parquet file atomically; the same table always gives the same bytes."""
     path = Path(path)
+    check_write(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
     try:

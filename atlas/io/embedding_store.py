@@ -130,7 +130,8 @@ def _check_codecs(path: Path) -> None:
         for codec in read_json(meta).get("codecs", []):
             name = codec.get("name") if isinstance(codec, dict) else codec
             if name not in SAFE_CODECS:
-                raise ValueError(f"{meta}: codec {name!r} is not allowed (allowed: {', '.join(sorted(SAFE_CODECS))})")
+                raise ArtifactError(f"{meta}: codec {name!r} is not allowed (allowed: "
+                                    f"{', '.join(sorted(SAFE_CODECS))})")
 
 
 def open_embeddings(run_root: Path):
@@ -141,13 +142,43 @@ def open_embeddings(run_root: Path):
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"{path}: no embeddings yet; run the annotate stage")
     _check_codecs(path)
-    group = zarr.open_group(str(path), mode="r", zarr_format=3)
     if (path / STAGING).exists():
-        raise RuntimeError(f"{path}: incomplete (the annotate stage has not finished); rerun it")
-    if group["embeddings"].shape[0] != group.attrs["n_rows"]:
-        raise ValueError(f"{path}: embeddings has {group['embeddings'].shape[0]} rows, "
-                         f"attrs say {group.attrs['n_rows']}")
+        raise ArtifactError(f"{path}: incomplete (the annotate stage has not finished); rerun it")
+    try:
+        group = zarr.open_group(str(path), mode="r", zarr_format=3)
+        present = set(group.array_keys())
+        arrays = {name: group[name] for name in ("embeddings", *ID_ARRAYS) if name == "embeddings" or name in present}
+        n_rows = group.attrs["n_rows"]
+    except (KeyError, ValueError, TypeError, OSError) as e:  # zarr's own errors are ValueErrors or KeyErrors
+        raise ArtifactError(f"{path}: not a complete embeddings store ({type(e).__name__}: {e}); {REANNOTATE}") \
+            from None
+    for name, array in arrays.items():
+        if array.shape[0] != n_rows:
+            raise ArtifactError(f"{path / name}: {array.shape[0]} rows, but the store's attrs say {n_rows}; "
+                                f"{REANNOTATE}")
     return group
+
+
+def stored_ids(run_root: Path, name: str = "chunk_id") -> np.ndarray:
+    """The id array ``name`` of the store (row i: the id of embedding i), checked: a storage chunk that is missing
+    (zarr would read empty strings) or an empty id is an ArtifactError that names the array."""
+    group = open_embeddings(run_root)
+    path = Path(run_root) / layout.EMBEDDINGS / name
+    array = group[name]
+    size = array.chunks[0]
+    for i in range(array.cdata_shape[0]):
+        if not (path / (key := array.metadata.encode_chunk_key((i,)))).is_file():
+            last = min((i + 1) * size, array.shape[0]) - 1
+            raise ArtifactError(f"{path}: storage chunk {key} (rows {i * size}..{last}) is missing, so those rows "
+                                f"have no {name}; {REANNOTATE}")
+    try:
+        ids = array[:]
+    except Exception as e:  # noqa: BLE001 - codecs raise anything (RuntimeError, ValueError...) on damaged bytes
+        raise ArtifactError(f"{path}: cannot be decoded ({type(e).__name__}: {e}); {REANNOTATE}") from None
+    empty = np.flatnonzero(ids == "")
+    if len(empty):
+        raise ArtifactError(f"{path}: row {int(empty[0])} has an empty {name} ({len(empty)} such rows); {REANNOTATE}")
+    return ids
 
 
 def describe(run_root: Path) -> str:

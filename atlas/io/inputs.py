@@ -10,12 +10,15 @@ Reading happens in two steps so that one huge file still parallelizes:
 2. ``read_shard`` yields the documents of one shard, and a ``Reject`` (file, row, field, reason)
    for every record that cannot be used. Bad records never stop the run.
 
-Duplicate ids: the first occurrence (in file order, then row order) keeps its id; every later one
-becomes ``<id>@<file name>:<row>``, which is unique and the same however the input is sharded. The
-original id stays in ``source_doc_id``. Planning spills every (id, position) to a Parquet file and
-DuckDB finds the later occurrences within ``execution.memory_gb``; their positions, sorted, go to
-``_renames.parquet`` beside the plan, and each shard reads only its own range of it. (Ids that a
-record lacks and gets from its position take no part.)
+Ids are unique across the whole input, whatever the files are called. A record without an id gets
+``<file stem>:<row>``. The first occurrence of an id (in file order, then row order) keeps it; every later
+one becomes ``<id>@<file's path in the input>:<row>``, unique and the same however the input is sharded,
+and the original id stays in ``source_doc_id``. Generated ids take part (two folders' ``data.jsonl`` both
+have ``data:0``; an explicit id may equal a generated one); a new name that is some other record's own id
+is an error naming both records. Planning spills every (id, position) to a Parquet file and DuckDB finds
+the later occurrences within ``execution.memory_gb``; their positions, sorted, go to ``_renames.parquet``
+beside the plan, and each shard reads only its own range of it. The plan records each file's version
+(size and time, or the store's tag): a file changed after planning is an error when its shard is read.
 
 Where: ``input.path`` is a local path (read with plain ``open`` and pyarrow's local files), or a URL that fsspec
 reads (``s3://bucket/prefix/``, ``gs://``, ``hf://datasets/org/name/...``; each a folder, a file or a glob). Remote
@@ -56,10 +59,33 @@ from atlas.io.outofcore import PartWriter, duckdb_session, record_batches, scrat
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".ndjson")
 INPUT_SUFFIXES = (".parquet", *JSONL_SUFFIXES, *TEXT_SUFFIXES)  # the files a folder's listing keeps
-PLAN_VERSION = 2  # 2: JSONL byte offsets, duplicate ids in RENAMES (1 held every duplicate id in the plan)
+PLAN_VERSION = 3  # 3: file versions; generated ids and renames that name the file's path in the input
 RENAMES = "_renames.parquet"  # beside the plan: the sorted positions of the records whose duplicate id is renamed
 RENAMES_SCHEMA = pa.schema([("position", pa.int64())])
 ROW_BITS = 40  # a record's position in the input is file index << ROW_BITS | row (2**40 rows a file at most)
+ROW_MASK = (1 << ROW_BITS) - 1
+
+
+def generated_id(name: str, row: int) -> str:
+    """The id of a record without one: its file's stem and its row (``corpus:12``)."""
+    return f"{Path(PurePosixPath(name).name).stem}:{row}"
+
+
+def renamed_id(doc_id: str, name: str, row: int) -> str:
+    """The id of a record whose id an earlier record has: unique, as it holds the file's name within the input."""
+    return f"{doc_id}@{name}:{row}"
+
+
+def input_names(files: list[str]) -> list[str]:
+    """Each input file's name within the input: its path below the files' common folder (``a/data.jsonl``), so
+    files of the same name in two folders have two names. A single file: its name."""
+    paths = [PurePosixPath(f.split("://", 1)[1]) if is_url(f) else PurePosixPath(Path(f).as_posix()) for f in files]
+    base = PurePosixPath(os.path.commonpath([str(p) for p in paths])) if len(paths) > 1 else paths[0].parent
+    return [p.relative_to(base).as_posix() for p in paths]
+
+
+def _where(names: list[str], position: int) -> str:
+    return f"{names[position >> ROW_BITS]}:{position & ROW_MASK}"
 
 
 @dataclass(slots=True)
@@ -277,8 +303,45 @@ def _open_text(path: str, stack: ExitStack) -> io.IOBase:
     if name.endswith(".gz"):
         return stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
     if name.endswith(".zst"):
-        return stack.enter_context(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return stack.enter_context(io.BufferedReader(_ZstdFrames(raw, path)))
     return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a .zst file, frame after frame. A file cut inside a frame is an InputError at its
+    end: zstandard's own stream reader ends there quietly, as if the file were whole."""
+
+    READ = 1 << 18  # compressed bytes read at a time
+
+    def __init__(self, raw, path: str):
+        self.raw, self.path = raw, path
+        self.context = zstandard.ZstdDecompressor()
+        self.frame = self.context.decompressobj()
+        self.in_frame = False  # bytes of the current frame were read, and its end not yet
+        self.out, self.at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at == len(self.out):
+            data = self.raw.read(self.READ)
+            if not data:
+                if self.in_frame:
+                    raise InputError(f"{self.path}: truncated: the file ends inside a zstd frame (an interrupted "
+                                     "download or copy?); restore the whole file")
+                return 0
+            self.out, self.at = b"", 0
+            while data:
+                if self.frame.eof:  # the next frame of a multi-frame file
+                    self.frame = self.context.decompressobj()
+                self.out += self.frame.decompress(data)
+                self.in_frame = not self.frame.eof
+                data = self.frame.unused_data if self.frame.eof else b""
+        n = min(len(buffer), len(self.out) - self.at)
+        buffer[:n] = self.out[self.at : self.at + n]
+        self.at += n
+        return n
 
 
 def _iter_lines(path: str, offset: int = 0) -> Iterator[bytes]:
@@ -345,16 +408,33 @@ class _IdSpill:
         self.writer.write_table(pa.table([ids, pa.array(self.positions, pa.int64())], schema=self.SCHEMA))
         self.ids, self.positions = [], []
 
-    def write_renames(self, path: Path, memory_gb: float) -> int:
-        """Write the sorted positions of the records whose id an earlier record has to ``path``; their number."""
+    def write_renames(self, path: Path, memory_gb: float, names: list[str]) -> int:
+        """Write the sorted positions of the records whose id an earlier record has to ``path``; their number.
+        ``names``: each file's name within the input, which renamed ids hold (``renamed_id``). A renamed id that
+        another record has as its own is an InputError naming both: ids stay unique, or the input is refused."""
         self._flush()
         self.writer.close()
-        later = """SELECT s.position FROM read_parquet(?) s
+        later = """SELECT s.id, s.position FROM read_parquet(?) s
                    JOIN (SELECT id, min(position) AS first FROM read_parquet(?) GROUP BY id HAVING count(*) > 1) d
                    ON s.id = d.id WHERE s.position <> d.first ORDER BY s.position"""
-        with duckdb_session(self.path.parent, memory_gb) as con, PartWriter(path, RENAMES_SCHEMA) as out:
-            for batch in record_batches(con, later, [str(self.path), str(self.path)]):
-                out.write(pa.Table.from_batches([batch]))
+        renamed = self.path.with_name("renamed.parquet")
+        with duckdb_session(self.path.parent, memory_gb) as con:
+            with PartWriter(path, RENAMES_SCHEMA) as out, PartWriter(renamed, self.SCHEMA) as new_ids:
+                for batch in record_batches(con, later, [str(self.path), str(self.path)]):
+                    positions = batch.column("position").to_pylist()
+                    out.write(pa.table([batch.column("position")], schema=RENAMES_SCHEMA))
+                    ids = [renamed_id(doc_id, names[p >> ROW_BITS], p & ROW_MASK)
+                           for doc_id, p in zip(batch.column("id").to_pylist(), positions)]
+                    new_ids.write(pa.table([pa.array(ids, pa.string()), batch.column("position")], schema=self.SCHEMA))
+            if out.rows:
+                clash = con.execute("""SELECT r.id, r.position, s.position FROM read_parquet(?) r
+                                       JOIN read_parquet(?) s ON r.id = s.id ORDER BY r.position LIMIT 1""",
+                                    [str(renamed), str(self.path)]).fetchone()
+                if clash:
+                    new_id, renamed_at, owner_at = clash
+                    raise InputError(f"{_where(names, renamed_at)} repeats an earlier record's id, and its unique "
+                                     f"name {new_id!r} is the id of {_where(names, owner_at)}: give one of them "
+                                     f"another id (input.id_field)")
         return out.rows
 
 
@@ -366,9 +446,12 @@ def _scan_parquet(path: str, cfg: InputConfig, file_index: int, ids: _IdSpill | 
         row = 0
         for batch in pf.iter_batches(columns=[cfg.id_field], batch_size=65_536):
             for value in _column_values(batch.column(0)):
-                if value is not None and not isinstance(value, _NotUtf8):  # _NotUtf8: the row is rejected
-                    ids.add(str(value), file_index, row)
+                if not isinstance(value, _NotUtf8):  # _NotUtf8: the row is rejected
+                    ids.add(str(value) if value is not None else generated_id(path, row), file_index, row)
                 row += 1
+    elif ids is not None:  # no id column: every row's id is generated, and may equal another file's ids
+        for row in range(pf.metadata.num_rows):
+            ids.add(generated_id(path, row), file_index, row)
     return pf.metadata.num_rows
 
 
@@ -389,10 +472,9 @@ def _scan_jsonl(path: str, cfg: InputConfig, file_index: int, ids: _IdSpill | No
             if ids is not None:
                 try:
                     value = json.loads(line).get(cfg.id_field)
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):  # rejected when its shard is read
                     continue
-                if value is not None:
-                    ids.add(str(value), file_index, rows - 1)
+                ids.add(str(value) if value is not None else generated_id(path, rows - 1), file_index, rows - 1)
         if out is not None:
             offsets.tofile(out)
     return rows
@@ -430,12 +512,12 @@ def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Pa
         root = _text_root(cfg.path, files)
         for start in range(0, len(files), cfg.docs_per_shard):
             shards.append(ShardSpec(root, start, min(start + cfg.docs_per_shard, len(files))))
-        return {"version": PLAN_VERSION, "format": fmt, "files": files,
+        return {"version": PLAN_VERSION, "format": fmt, "files": files, "versions": [file_version(f) for f in files],
                 "shards": [asdict(s) for s in shards], "renamed": 0}
 
     with ExitStack() as stack:
         spill = Path(stack.enter_context(scratch(scratch_dir) if scratch_dir else tempfile.TemporaryDirectory()))
-        ids = _IdSpill(spill) if folder is not None and cfg.id_field else None
+        ids = _IdSpill(spill) if folder is not None else None
         for file_index, path in enumerate(files):
             if fmt == "parquet":
                 ranges = _cut(_scan_parquet(path, cfg, file_index, ids), cfg.docs_per_shard)
@@ -452,8 +534,8 @@ def plan_shards(cfg: InputConfig, folder: Path | None = None, *, scratch_dir: Pa
         if not shards:
             names = ", ".join(PurePosixPath(p).name for p in files)
             raise InputError(f"{cfg.path}: no records in {names} (empty file(s)); nothing to process")
-        renamed = ids.write_renames(folder / RENAMES, memory_gb) if ids is not None else 0
-    return {"version": PLAN_VERSION, "format": fmt, "files": files,
+        renamed = ids.write_renames(folder / RENAMES, memory_gb, input_names(files)) if ids is not None else 0
+    return {"version": PLAN_VERSION, "format": fmt, "files": files, "versions": [file_version(f) for f in files],
             "shards": [asdict(s) for s in shards], "renamed": renamed}
 
 
@@ -504,6 +586,10 @@ def _records_jsonl(spec: ShardSpec, cfg: InputConfig) -> Iterator[tuple[int, dic
         except json.JSONDecodeError as e:
             yield row, None, f"invalid_json: {e.msg} at column {e.colno}"
             continue
+        except (ValueError, RecursionError) as e:  # an integer of over 4,300 digits; nesting deeper than the stack
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+            yield row, None, f"invalid_json: {why}"
+            continue
         if not isinstance(record, dict):
             yield row, None, f"invalid_json: expected an object, got {type(record).__name__}"
             continue
@@ -537,6 +623,34 @@ def _renamed_rows(plan: dict, spec: ShardSpec, folder: Path | None) -> set[int]:
     return {position - base for position in table.column(0).to_pylist()}
 
 
+def file_version(path: str) -> dict:
+    """What tells this version of an input file from a later one, cheaply: a local file's size and modification
+    time; a remote file's size and its store's tag (``url_fingerprint``)."""
+    if is_url(path):
+        return url_fingerprint(path)
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def check_unchanged(plan: dict, spec: ShardSpec) -> None:
+    """An input file replaced or edited after the plan cut it into shards would give some documents twice and lose
+    others: an InputError that names it (the plan is made again with --force)."""
+    if "versions" not in plan:  # a plan of an older Atlas: nothing to compare with
+        return
+    files = plan["files"]
+    indices = range(spec.start, spec.stop) if plan["format"] == "text" else [files.index(spec.file)]
+    for i in indices:
+        try:
+            now = file_version(files[i])
+        except FileNotFoundError:
+            now = None
+        if now != plan["versions"][i]:
+            what = "is gone" if now is None else "has changed"
+            raise InputError(f"{_printable(files[i])}: {what} since the run planned its shards (size, time or "
+                             f"version differs from the plan's), so its shards would no longer match; restore it, "
+                             f"or re-plan the input with --force --stages chunk")
+
+
 def read_shard(plan: dict, shard: int, cfg: InputConfig, folder: Path | None = None) -> Iterator[Document | Reject]:
     """Documents of one shard, and a Reject for each record that cannot be used (``folder``: the plan's)."""
     spec = ShardSpec(**plan["shards"][shard])
@@ -548,17 +662,18 @@ def read_shard(plan: dict, shard: int, cfg: InputConfig, folder: Path | None = N
         records = _records_jsonl(spec, cfg)
     else:
         records = _records_text(spec, plan["files"], cfg)
+    check_unchanged(plan, spec)
+    names = input_names(plan["files"])
     file, file_name = _printable(spec.file), Path(spec.file).name
+    name = names[plan["files"].index(spec.file)] if fmt != "text" else file_name
     for row, record, problem in records:
-        where = f"{file_name}:{row}"
         if problem is not None:
             reason, _, detail = problem.partition(": ")
             yield Reject(file, row, None, "(record)", reason, _printable(detail))
             continue
         raw_id = record.get(cfg.id_field) if cfg.id_field else None
-        source_id = (str(raw_id) if raw_id is not None
-                     else record.get("__default_id__", f"{Path(file_name).stem}:{row}"))
-        doc_id = f"{source_id}@{where}" if row in renamed else source_id
+        source_id = str(raw_id) if raw_id is not None else record.get("__default_id__", generated_id(file_name, row))
+        doc_id = renamed_id(source_id, name, row) if row in renamed else source_id
         shown_id = _printable(doc_id)  # only an id made from a file name can change: record values are checked below
         if cfg.text_field not in record:
             yield Reject(file, row, shown_id, cfg.text_field, "missing_field", f"no '{cfg.text_field}' field")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from atlas.config import LibraryConfig
 from atlas.core.files import ArtifactError, read_json, read_parquet, sha256_bytes, stable_hash
@@ -28,6 +27,7 @@ TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.
 # library/near_votes.parquet (clustered with contexts): how many of a chunk's tag occurrences give a concept a near
 # vote, read in the chunk (atlas.stages.library.near_votes_in_context); a chunk's rows are consecutive.
 NEAR_VOTES_SCHEMA = pa.schema([("chunk_id", pa.string()), ("concept_id", pa.int64()), ("votes", pa.float32())])
+REBUILD_LIBRARY = "rebuild the library (atlas run CONFIG --force --stages library)"
 
 
 def inherits(similarity: float, joined_similarity: float | None, library: LibraryConfig) -> bool:
@@ -52,7 +52,7 @@ def load_library(run: RunDir) -> tuple[list[dict], dict]:
     for p in (path, config_path):
         if not p.exists():
             raise FileNotFoundError(f"{p}: no concept library here; run the library stage first")
-    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
+    rebuild = REBUILD_LIBRARY
     config = read_json(config_path)
     # A library of the library stage (it has domains) has every column; a hand-made one needs ids and names.
     required = CONCEPT_SCHEMA if "domain_offsets" in config else ["concept_id", "name"]
@@ -74,10 +74,35 @@ def load_library(run: RunDir) -> tuple[list[dict], dict]:
                                 f"'domain' column of {path}")
     return rows, config
 
+
+def check_concept_ids(path: Path, table: pa.Table, columns: list[str], n_concepts: int, hint: str) -> None:
+    """Every id in the list columns ``columns`` of ``table`` (read from ``path``) is a concept of the library
+    (0..n_concepts - 1): an id outside it is an ArtifactError that names the file, the row and the id."""
+    for column in columns:
+        lists = table.column(column).combine_chunks()
+        ids = pc.list_flatten(lists)
+        outside = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, n_concepts))
+        if len(ids) and pc.any(outside).as_py():
+            first = pc.index(outside, True).as_py()
+            row = pc.list_parent_indices(lists)[first].as_py()
+            raise ArtifactError(f"{path}: row {row}: {column} holds concept id {ids[first].as_py()}, which is not in "
+                                f"the library (ids 0..{n_concepts - 1}); {hint}")
+
+
+def check_annotated(run: RunDir, n_concepts: int) -> None:
+    """The annotated parts are readable, have the columns a release needs, and label chunks with concepts of this
+    library only; read a column at a time."""
+    from atlas.io.embedding_store import REANNOTATE
+
+    for part in run.parts(layout.ANNOTATED):
+        concepts = read_parquet(part, ["concepts"], required=["chunk_id", "concepts"], hint=REANNOTATE)
+        check_concept_ids(part, concepts, ["concepts"], n_concepts, REANNOTATE)
+
+
 def check_tag_to_concept(run: RunDir, n_content: int) -> None:
     """``tag_to_concept.parquet`` maps tags to content concepts of this library only (or to null)."""
     path = run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet"
-    rebuild = "rebuild the library (atlas run CONFIG --force --stages library)"
+    rebuild = REBUILD_LIBRARY
     mapping = read_parquet(path, required=TAG_TO_CONCEPT_SCHEMA, hint=rebuild).to_pydict()
     for column in ("concept_id", "near_concept_id"):
         for row, (tag, concept) in enumerate(zip(mapping["tag_norm"], mapping[column])):
@@ -105,7 +130,8 @@ def chunk_concept_votes(run: RunDir, near_weight: float = 0.0) -> dict[str, dict
     (``near_votes.parquet``, clustered with contexts), else the tag's near concept. A library written before near
     concepts has none."""
     folder = run.output_dir(layout.LIBRARY)
-    mapping = pq.read_table(folder / "tag_to_concept.parquet").to_pydict()
+    mapping = read_parquet(folder / "tag_to_concept.parquet", required=["tag_norm", "concept_id"],
+                           hint=REBUILD_LIBRARY).to_pydict()
     in_context = folder / layout.LIBRARY_NEAR_VOTES
     read_in_context = near_weight > 0 and in_context.exists()
     near_of_tag = mapping.get("near_concept_id") if near_weight > 0 and not read_in_context else None

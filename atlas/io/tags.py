@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from atlas.core.files import ArtifactError, read_parquet, read_parts
+from atlas.core.files import ArtifactError, open_parquet, read_parquet, read_parts
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.chunks import filtered_rows
 from atlas.io.outofcore import checked_parts
 
 # One row per (chunk, field, tag).
@@ -28,9 +28,18 @@ VOCAB_SCHEMA = pa.schema(
 )
 
 
+RETAG = "recompute it: atlas run CONFIG --force --stages tag (the stages after it follow)"
+REVOCAB = "rerun the vocab stage with --force"
+
+
 def read_tags(run: RunDir, columns: list[str]) -> pa.Table:
     """The given columns of every tag part, checked against the tag schema."""
-    return read_parts(run.parts(layout.TAGS), columns, required=TAG_SCHEMA)
+    return read_parts(run.parts(layout.TAGS), columns, required=TAG_SCHEMA, hint=RETAG)
+
+
+def read_tags_of(run: RunDir, chunk_ids, columns: tuple[str, ...] = ("field", "tag_norm")) -> list[dict]:
+    """The tag rows (chunk_id and ``columns``) of the given chunks, in file order, read a batch at a time."""
+    return list(filtered_rows(run.parts(layout.TAGS), chunk_ids, columns, required=TAG_SCHEMA, hint=RETAG))
 
 
 def tag_parts(run: RunDir) -> list[Path]:
@@ -43,9 +52,13 @@ def vocab_fields(run: RunDir) -> list[str]:
     """The tag fields the vocabulary was built from (the union of its ``fields`` lists), sorted; read a batch of
     tags at a time."""
     found: set[str] = set()
-    for batch in pq.ParquetFile(run.output_dir(layout.TAG_VOCAB) / "part-00000.parquet").iter_batches(
-            batch_size=65_536, columns=["fields"]):
-        found.update(pc.unique(pc.list_flatten(batch.column("fields"))).to_pylist())
+    part = run.output_dir(layout.TAG_VOCAB) / "part-00000.parquet"
+    with open_parquet(part, required=["fields"], hint=REVOCAB) as pf:
+        try:
+            for batch in pf.iter_batches(batch_size=65_536, columns=["fields"]):
+                found.update(pc.unique(pc.list_flatten(batch.column("fields"))).to_pylist())
+        except (pa.ArrowException, OSError) as e:
+            raise ArtifactError(f"{part}: cannot be decoded ({e}): truncated or damaged; {REVOCAB}") from None
     return sorted(found)
 
 
@@ -59,8 +72,7 @@ def load_vocab(run: RunDir, columns: list[str] | None = None) -> tuple[pa.Table,
         # never unpickle from a run directory
         vectors = np.load(folder / "_embeddings.npy", mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{folder / '_embeddings.npy'}: unreadable ({e}); "
-                         "rerun the vocab stage with --force") from None
+        raise ArtifactError(f"{folder / '_embeddings.npy'}: unreadable ({e}); {REVOCAB}") from None
     if vectors.ndim != 2 or len(vectors) != table.num_rows:
         raise ArtifactError(f"{folder / '_embeddings.npy'}: shape {vectors.shape}, but {part} has {table.num_rows} "
                             "tags (row i embeds tag i); rerun the vocab stage with --force")

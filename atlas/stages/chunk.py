@@ -33,13 +33,21 @@ import numpy as np
 import pyarrow as pa
 
 from atlas.config import ChunkDomain, is_url
-from atlas.core.files import InputError, atomic_write_json, atomic_write_parquet, file_fingerprint, read_json
+from atlas.core.files import (
+    ArtifactError,
+    InputError,
+    atomic_write_json,
+    atomic_write_parquet,
+    file_fingerprint,
+    read_json,
+)
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import CHUNK_SCHEMA
 from atlas.io.inputs import PLAN_VERSION, Document, Reject, list_input_files, plan_shards, read_shard, url_fingerprint
+from atlas.io.outofcore import duckdb_session, scratch
 
 CHUNKER_VERSION = 2  # bump when the algorithm changes, so finished runs are recomputed
 
@@ -410,6 +418,22 @@ class ChunkStage(Stage):
             raise InputError(
                 f"{self.config.input.path}: no usable document, every record was rejected ({reasons}); each one "
                 f"is listed with its file, row, field and reason in {run.output_dir(self.output) / '_rejects'}")
+        self._check_unique_ids(run)
+
+    def _check_unique_ids(self, run: RunDir) -> None:
+        """Every chunk id once, every document in one part, across the whole run: a duplicate here would merge two
+        chunks' tags and concepts downstream. Out of core (DuckDB, ``execution.memory_gb``)."""
+        parts = [str(p) for p in run.parts(self.output)]
+        query = """SELECT chunk_id, list(DISTINCT filename ORDER BY filename) FROM read_parquet(?, filename = true)
+                   GROUP BY chunk_id HAVING count(*) > 1 ORDER BY chunk_id LIMIT 3"""
+        with scratch(run.output_dir(layout.TMP) / self.name) as folder, \
+                duckdb_session(folder, self.config.execution.memory_gb) as con:
+            repeated = con.execute(query, [parts]).fetchall()
+        if repeated:
+            shown = "; ".join(f"{chunk_id!r} in {', '.join(Path(f).name for f in files)}"
+                              for chunk_id, files in repeated)
+            raise ArtifactError(f"{run.output_dir(self.output)}: duplicate chunk id(s) ({shown}); ids must be unique "
+                                f"across the whole input: recompute with atlas run CONFIG --force --stages chunk")
 
     @staticmethod
     def _add_rows(rows: dict[str, list], doc: Document, spans: list[Span]) -> None:

@@ -63,6 +63,10 @@ PROMPT_PLACEHOLDERS = {
 }
 
 
+class TagShardFailed(RuntimeError):
+    """Too many of a shard's chunks failed to be tagged for the shard to count as done."""
+
+
 def text_key(chunk: dict) -> str:
     """What makes two chunks one request: the domain (it picks the schema) and the text, whitespace normalized."""
     return chunk["domain"] + "\n" + " ".join(chunk["chunk_text"].split())
@@ -83,7 +87,8 @@ class TagStage(Stage):
     def identity(self) -> dict:
         _, _, files = load_schemas(self.config.tag)
         prompt = load_prompt(_prompt_path(self.config), PROMPT_PLACEHOLDERS)
-        tag = self.config.tag.model_dump(exclude={"prompt", "schema_dir"})
+        # max_failed_share decides whether a shard is done, not what a done shard holds
+        tag = self.config.tag.model_dump(exclude={"prompt", "schema_dir", "max_failed_share"})
         return {
             "version": TAG_STAGE_VERSION,
             "tag": tag,
@@ -192,6 +197,7 @@ class TagStage(Stage):
         if tagged_n + len(quarantined) != len(chunks):  # never lose a chunk silently
             raise RuntimeError(f"tag shard {shard}: {len(chunks)} chunks of the library sample, {tagged_n} tagged, "
                                f"{len(quarantined)} quarantined")
+        self._check_failures(shard, len(chunks), quarantined, stats)
         rows: dict[str, list] = {name: [] for name in TAG_SCHEMA.names}
         for chunk in chunks:
             answer = answers[chunk["chunk_id"]]
@@ -206,6 +212,32 @@ class TagStage(Stage):
         ordered = [quarantined[c["chunk_id"]] for c in chunks if c["chunk_id"] in quarantined]
         run.write_rejects(self.output, shard, ordered, QUARANTINE_SCHEMA)
         return stats
+
+    def finalize(self, run: RunDir, stats: Stats) -> None:
+        """No tag at all is no library sample to build on: stop here, not in the next stage."""
+        if stats["chunks_sampled"] and not stats["tags_out"]:
+            raise TagShardFailed(f"tag: none of the {stats['chunks_sampled']:,} sampled chunks got a tag "
+                                 f"(quarantined: {stats['chunks_quarantined']:,}; the reasons are in "
+                                 f"{run.output_dir(self.output) / '_rejects'}); fix the engine, then rerun with "
+                                 f"--force --stages tag")
+
+    def _check_failures(self, shard: int, n_chunks: int, quarantined: dict, stats: Stats) -> None:
+        """A shard that quarantined more than ``tag.max_failed_share`` of its chunks is no result: it fails, with the
+        count and the commonest reasons, and its chunks are asked again on the next run (transport errors are not
+        cached; answers that were are not asked again)."""
+        limit = self.config.tag.max_failed_share
+        if not n_chunks or len(quarantined) <= limit * n_chunks:
+            return
+        reasons: dict[str, int] = {}
+        for row in quarantined.values():
+            reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+        shown = ", ".join(f"{reason}: {count}" for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+        errors = [k.removeprefix("engine_errors.") for k in stats.to_dict() if k.startswith("engine_errors.")]
+        hint = (f" (engine errors: {', '.join(sorted(errors)[:3])}; is the server at {self.config.llm.base_url} up, "
+                f"and {self.config.llm.api_key_env} set?)" if errors and self.config.llm.engine == "openai" else "")
+        raise TagShardFailed(f"tag shard {shard}: {len(quarantined)} of {n_chunks} chunks failed ({shown}), more than "
+                             f"tag.max_failed_share ({limit:g}){hint}; nothing of this shard is kept as done, rerun "
+                             f"the same command to try it again")
 
     def _check(self, chunk: dict, attempt: int, result: LLMResult, stats: Stats, tagged: dict,
                quarantined: dict) -> str | None:

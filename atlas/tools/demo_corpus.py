@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from atlas.core.files import atomic_write_bytes
+from atlas.core.ownership import NotOwned
 
 MAX_CHARS = 20_000  # like the dev corpus: long texts are cut at a line break before this
 MIN_CHARS = 200
@@ -97,6 +98,20 @@ def build_demo_corpus(out: str | Path) -> tuple[Path, dict[str, int]]:
             lines.append(json.dumps(record, ensure_ascii=False))
             counts[data_src] = counts.get(data_src, 0) + 1
     data = ("\n".join(lines) + "\n").encode("utf-8")
+    if out.exists() and not _is_demo_corpus(out):
+        raise NotOwned(f"demo-corpus OUT {out}: exists and is not a demo corpus Atlas wrote; it was left as it "
+                       f"is. Name a new file")
     if not out.exists() or out.read_bytes() != data:
         atomic_write_bytes(out, data)
     return out, counts
+
+
+def _is_demo_corpus(path: Path) -> bool:
+    """Whether ``path`` is an earlier demo corpus (its first record is one), which may be rewritten."""
+    try:
+        with open(path, "rb") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(first, dict) and set(first) == {"id", "text", "domain", "data_src", "meta"}
+            and str(first["id"]).startswith(f"{first['data_src']}:"))

@@ -54,15 +54,21 @@ from collections.abc import Callable
 from statistics import NormalDist
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from atlas.config import AtlasConfig
-from atlas.core.files import ArtifactError, atomic_write_json, read_json, read_parquet
+from atlas.core.files import ArtifactError, atomic_write_json, open_parquet, read_json, read_parquet
 from atlas.core.rundir import RunDir
 from atlas.io import layout
-from atlas.io.chunks import sample_position, sample_threshold
-from atlas.io.library import chunk_concept_votes, load_library
+from atlas.io.chunks import RECHUNK, sample_position, sample_threshold
+from atlas.io.library import (
+    REBUILD_LIBRARY,
+    check_concept_ids,
+    chunk_concept_votes,
+    load_library,
+)
 from atlas.io.tags import load_vocab
+
+RETRAIN = "retrain the annotator: atlas run CONFIG --force --stages train_annotator (the stages after it follow)"
 
 logger = logging.getLogger("atlas.tools.evaluate")  # progress, a line per step (`atlas eval` prints it)
 NO_SOURCE = "(no data_src)"  # the source name of chunks whose data_src is null
@@ -690,7 +696,7 @@ def _all_chunks(run: RunDir, columns: tuple[str, ...]) -> dict[str, list]:
     """``columns`` of every chunk (plus chunk_id), as lists, in part order."""
     out: dict[str, list] = {c: [] for c in ("chunk_id", *columns)}
     for part in run.parts(layout.CHUNKS):
-        table = read_parquet(part, list(out)).to_pydict()
+        table = read_parquet(part, list(out), hint=RECHUNK).to_pydict()
         for c in out:
             out[c].extend(table[c])
     return out
@@ -771,9 +777,14 @@ def evaluate_library(config: AtlasConfig, label_field: str = "label", sample: in
     rows, library_config = load_library(run)
     concepts = {r["concept_id"]: r for r in rows}
     # a library written before near concepts (version 4) has none: its figures are own votes, and say so
-    mapping_columns = pq.read_schema(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet").names
+    with open_parquet(run.output_dir(layout.LIBRARY) / "tag_to_concept.parquet", hint=REBUILD_LIBRARY) as pf:
+        mapping_columns = pf.schema_arrow.names
     near_weight = config.library.near_concept_weight if "near_concept_id" in mapping_columns else 0.0
     assigned = chunk_concept_votes(run, near_weight)  # {chunk: {concept: its tags' votes for it}}, most first
+    if unknown := sorted({k for votes in assigned.values() for k in votes} - set(concepts)):
+        raise ArtifactError(f"{run.output_dir(layout.LIBRARY) / 'tag_to_concept.parquet'}: its tags (or "
+                            f"near_votes.parquet) give chunks concept id {unknown[0]}, which is not in the library "
+                            f"(ids 0..{len(rows) - 1}); {REBUILD_LIBRARY}")
     chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
     threshold = sample_threshold(run, config.tag.sample_fraction, config.tag.sample_max_docs)
     if threshold < 1:  # the library saw the tags of the sample only: evaluate it on those documents
@@ -873,15 +884,18 @@ def evaluate_annotator(config: AtlasConfig, label_field: str = "label", folds: i
     from threadpoolctl import threadpool_limits
 
     run = RunDir(config.run_dir)
-    predictions = pq.read_table(run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet").to_pylist()
+    path = run.output_dir(layout.ANNOTATOR) / "heldout_predictions.parquet"
+    predictions = read_parquet(path, ["chunk_id", "concepts"], hint=RETRAIN)
+    check_concept_ids(path, predictions, ["concepts"], len(load_library(run)[0]), RETRAIN)
+    predictions = predictions.to_pylist()
     chunks = _all_chunks(run, ("doc_id", "data_src", "metadata", "chunk_text"))
     chunk_labels, fields = _chunk_labels(chunks["metadata"], label_field)
     row_of = {c: i for i, c in enumerate(chunks["chunk_id"])}
     missing = [p["chunk_id"] for p in predictions if p["chunk_id"] not in row_of]
     if missing:
-        raise ArtifactError(f"{run.output_dir(layout.ANNOTATOR) / 'heldout_predictions.parquet'}: held-out chunk "
-                            f"{missing[0]!r} ({len(missing)} in all) is not in {run.output_dir(layout.CHUNKS)}; "
-                            "retrain the annotator (atlas run CONFIG --force --stages targets,train_annotator)")
+        raise ArtifactError(f"{path}: held-out chunk {missing[0]!r} ({len(missing)} in all) is not in "
+                            f"{run.output_dir(layout.CHUNKS)}; retrain the annotator (atlas run CONFIG --force "
+                            "--stages targets,train_annotator)")
     kept = [p for p in predictions if chunk_labels[row_of[p["chunk_id"]]] is not None]
     summary: dict = {"eval_version": EVAL_VERSION, "label_field": label_field, "heldout_chunks": len(predictions)}
     path = run.root / layout.REPORT / "annotator_probe.json"

@@ -21,7 +21,6 @@ concept order on its own (a range of one concept is already in corpus order and 
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from itertools import groupby
@@ -32,10 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from atlas.core.files import atomic_write_bytes, atomic_write_json, atomic_write_parquet
+from atlas.core.ownership import NotOwned, claim, clear_owned
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.cards import front_matter
-from atlas.io.library import load_library
+from atlas.io.library import check_annotated, load_library
 from atlas.io.outofcore import LIST_BUDGET, PAIRS_PER_PASS, PartWriter, budget_slices, scratch
 
 CONCEPTS_SCHEMA = pa.schema(
@@ -47,6 +47,9 @@ FIELD_GUIDE_ROWS_PER_PART = 4096  # concepts a part
 FIELD_GUIDE_IDS_PER_ROW = 100_000  # a concept carried by more chunks continues on the next row
 PAIR_SCHEMA = pa.schema([("concept_id", pa.int64()), ("chunk_id", pa.string())])
 # The card's configs: `datasets.load_dataset(OUT)` gives the chunks, `load_dataset(OUT, "concepts")` the concepts.
+# What an export writes in OUT: replacing an earlier export deletes these and nothing else.
+EXPORT_FILES = ["README.md", "export.json", "concepts.parquet", "cooccurrence.npz", "chunks/part-*.parquet",
+                "field_guide/part-*.parquet"]
 RELEASE_CONFIGS = [
     {"config_name": "chunks", "default": True, "data_files": [{"split": "train", "path": "chunks/part-*.parquet"}]},
     {"config_name": "concepts", "data_files": [{"split": "train", "path": "concepts.parquet"}]},
@@ -85,11 +88,12 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
     if not annotate or not run.is_stage_done(layout.ANNOTATED, annotate.get("hash")):
         raise FileNotFoundError(f"{run.output_dir(layout.ANNOTATED)}: the annotate stage has not finished; "
                                 "run it first")
-    if out.exists() and any(out.iterdir()):
-        if not (out / "export.json").exists():
-            raise FileExistsError(f"{out}: not empty and not an earlier export; choose another folder")
-        shutil.rmtree(out)  # an earlier export: replace it whole, so no stale part survives
+    if out.resolve() == run.root.resolve() or run.root.resolve() in out.resolve().parents:
+        raise NotOwned(f"export OUT {out}: inside the run directory {run.root}; choose a folder outside it")
     concepts, library = load_library(run)
+    check_annotated(run, len(concepts))  # before OUT is touched: a damaged part must not cost the earlier export
+    claim(out, "export", "export OUT")  # a folder of the user's is refused here, before anything is written
+    clear_owned(out, EXPORT_FILES, "export OUT")  # an earlier export: replaced whole, so no stale part survives
     counts, cooccurrence, total = _chunks_and_counts(run, out, len(concepts))
     with scratch(out / ".tmp") as spill:
         n_guide_rows = _field_guide(run, out, counts, spill)

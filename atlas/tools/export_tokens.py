@@ -24,7 +24,6 @@ Memory holds one shard's index; the .bin is copied through a buffer of ``COPY_TO
 
 from __future__ import annotations
 
-import shutil
 import struct
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from atlas.core.files import (
     atomic_writer,
     read_parquet,
 )
+from atlas.core.ownership import NotOwned, claim, clear_owned
 from atlas.core.rundir import RunDir
 from atlas.io import layout
 from atlas.io.tokens import RETOKENIZE, TokenShards
@@ -52,6 +52,7 @@ MEGATRON_INT32 = 4  # megatron.core.datasets.indexed_dataset.DType.int32; Megatr
 INT32_LIMIT = 2**31
 COPY_TOKENS = 4 << 20  # tokens per copy step (16 MiB)
 MARKER = "export_tokens.json"
+EXPORT_FILES = [MARKER, "README.md", "part-*.bin", "part-*.idx", "part-*.concepts.parquet"]  # all it writes
 SIDECAR_SCHEMA = pa.schema([("sequence", pa.int64()), ("chunk_id", pa.string()), ("doc_id", pa.string()),
                             ("concepts", pa.list_(pa.int64()))])
 README = """# Megatron token shards of run `{name}`
@@ -109,11 +110,10 @@ def export_tokens(run_dir: str | Path, out: str | Path, fmt: str = "megatron") -
     if not tokenize or not run.is_stage_done(layout.TOKENS, tokenize.get("hash")):
         raise FileNotFoundError(f"{run.output_dir(layout.TOKENS)}: the tokenize stage has not finished; run it first")
     shards = TokenShards(run.root)
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise FileExistsError(f"{out}: not empty and not an earlier token export; choose another folder")
-        shutil.rmtree(out)  # an earlier export: replace it whole, so no part of a larger run survives
-    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() == run.root.resolve() or run.root.resolve() in out.resolve().parents:
+        raise NotOwned(f"export-tokens OUT {out}: inside the run directory {run.root}; choose a folder outside it")
+    claim(out, "export-tokens", "export-tokens OUT")  # a folder of the user's is refused before anything is written
+    clear_owned(out, EXPORT_FILES, "export-tokens OUT")  # an earlier export goes whole: no part of a larger run stays
     atomic_write_json(out / MARKER, {"format": fmt, "status": "writing"})  # an interrupted export is replaced too
 
     per_shard = [_export_shard(shards, shard, out) for shard in range(len(shards.parts))]

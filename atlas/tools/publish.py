@@ -19,6 +19,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from atlas.core.ownership import OWNER_FILE, NotOwned, clear_owned, describe, is_owned, mark_owned
+from atlas.tools.export import EXPORT_FILES
+
 HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME
 TEMPORARY = [".*", "*/.*"]  # what the export leaves only while it runs (scratch, half-written files)
 REPLACED_ON_THE_HUB = ["chunks/*", "field_guide/*"]  # folders of parts: a part not exported again must go
@@ -54,10 +57,9 @@ def check_destination(dest: str, out: str | Path) -> Path | str:
     resolved = target.resolve()
     if resolved == out or out in resolved.parents or resolved in out.parents:
         raise PublishError(f"--push-to-hub {dest}: the mirror must be a folder outside {out}, and not hold it")
-    if resolved.exists() and (not resolved.is_dir() or any(resolved.iterdir())) and not (
-            resolved / "export.json").is_file():
-        raise PublishError(f"--push-to-hub {dest}: not empty and not an earlier mirror of an export (no export.json); "
-                           "choose another folder")
+    if not is_owned(resolved, "export"):
+        raise PublishError(f"--push-to-hub {dest}: not a folder Atlas created ({describe(resolved)}); a mirror is a "
+                           "new or empty folder, or an earlier mirror of an export. Choose another folder")
     return target
 
 
@@ -70,14 +72,27 @@ def publish(out: str | Path, dest: str, private: bool = False) -> str:
     return _upload(Path(out), target, private)
 
 
+def staging_folder(target: Path) -> Path:
+    """Where a mirror is copied before it replaces ``target``: beside it, so the rename is one step."""
+    return target.with_name(f".{target.name}.publish.tmp")
+
+
 def _mirror(out: Path, target: Path) -> None:
     """Copy the export into ``target`` through a staging folder beside it, so a copy cut short leaves the earlier
-    mirror (or nothing) rather than half of each."""
-    staging = target.with_name(f".{target.name}.publish.tmp")
+    mirror (or nothing) rather than half of each. An earlier mirror loses what an export writes and nothing else: a
+    file of the user's there stops the copy, and the mirror stays whole."""
+    staging = staging_folder(target)
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(out, staging, ignore=shutil.ignore_patterns(*TEMPORARY))
+    mark_owned(staging, "export")  # the mirror is an export of Atlas's: the next publish may replace it
     if target.exists():
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        try:
+            clear_owned(target, EXPORT_FILES, "--push-to-hub")
+        except NotOwned as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise PublishError(str(e)) from None
+        (target / OWNER_FILE).unlink(missing_ok=True)
+        target.rmdir()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging.rename(target)
 
@@ -92,15 +107,29 @@ def _hub_token() -> str | None:
 
 
 def _upload(out: Path, repo_id: str, private: bool) -> str:
+    import importlib
+
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    # No network, or the Hub out of reach: huggingface_hub lets its HTTP client's errors through (httpx's, or
+    # httpx2's in newer releases, neither an OSError), and requests' ConnectionError is an OSError.
+    unreachable: list[type[BaseException]] = [OSError]
+    for client in ("httpx", "httpx2"):
+        try:
+            unreachable.append(importlib.import_module(client).TransportError)
+        except (ImportError, AttributeError):
+            pass
     api = HfApi(token=_hub_token())
     try:
         url = api.create_repo(repo_id, repo_type="dataset", exist_ok=True, private=private)
         api.upload_folder(repo_id=repo_id, repo_type="dataset", folder_path=out, ignore_patterns=TEMPORARY,
                           delete_patterns=REPLACED_ON_THE_HUB, commit_message=f"atlas export ({out.name})")
     except (HfHubHTTPError, OfflineModeIsEnabled) as e:
-        raise PublishError(f"--push-to-hub {repo_id}: {e}; the export in {out} is complete, rerun the same command "
-                           "to publish it") from None
+        raise PublishError(f"--push-to-hub {repo_id}: {' '.join(str(e).split())}; the export in {out} is complete, "
+                           "rerun the same command to publish it") from None
+    except tuple(unreachable) as e:
+        raise PublishError(f"--push-to-hub {repo_id}: the Hugging Face Hub cannot be reached ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())}); the export in {out} is complete: rerun the same command "
+                           "when online to publish it") from None
     return str(url)

@@ -16,7 +16,7 @@ import logging
 import math
 from pathlib import Path
 
-from atlas.core.files import atomic_write_bytes, read_json, stable_hash
+from atlas.core.files import ArtifactError, atomic_write_bytes, open_parquet, read_json, read_parquet, stable_hash
 from atlas.core.plots import curves
 from atlas.io import layout
 
@@ -116,6 +116,24 @@ def _read_json(path: Path):
     return read_json(path) if path.exists() else None
 
 
+def _log_entries(path: Path) -> list[dict]:
+    """The records of a training log (JSON lines); a damaged line is an ArtifactError that names it."""
+    entries = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{path}: line {number} is not valid JSON ({e.msg}); the log is damaged: repair or "
+                                "delete that line (the model itself is in the checkpoint)") from None
+        if not isinstance(entry, dict):
+            raise ArtifactError(f"{path}: line {number} is not a JSON object; the log is damaged: repair or delete "
+                                "that line (the model itself is in the checkpoint)")
+        entries.append(entry)
+    return entries
+
+
 def _summary(run, manifest: dict, statuses) -> str:
     not_run = [s.name for s in statuses if s.state not in ("done", "not in this run")]
     packages = ", ".join(f"{k} {v}" for k, v in manifest.get("packages", {}).items() if v != "not installed")
@@ -152,7 +170,7 @@ def _stage_rows(statuses) -> str:
 
 def _drops(run, recorded: dict, stage_names: list[str]) -> str:
     """Per stage: the drop counters, and the first few rejects with their reason (each column cut short)."""
-    import pyarrow.parquet as pq
+    import pyarrow as pa
 
     from atlas.stages import STAGES
 
@@ -169,7 +187,12 @@ def _drops(run, recorded: dict, stage_names: list[str]) -> str:
         for shard, error in sorted(info.get("errors", {}).items()):
             parts.append(f"<p class=failed>failed shard {html.escape(shard)}: {html.escape(error)}</p>")
         if files:
-            first = next(pq.ParquetFile(files[0]).iter_batches(batch_size=3), None)  # not the whole file
+            redo = f"recompute the stage: atlas run CONFIG --force --stages {name}"
+            with open_parquet(files[0], hint=redo) as pf:
+                try:
+                    first = next(pf.iter_batches(batch_size=3), None)  # not the whole file
+                except (pa.ArrowException, OSError) as e:
+                    raise ArtifactError(f"{files[0]}: cannot be decoded ({e}): truncated or damaged; {redo}") from None
             examples = first.to_pylist() if first is not None else []
             header = list(examples[0]) if examples else []
             parts.append(f"<p>examples from {html.escape(files[0].relative_to(run.root).as_posix())} "
@@ -197,10 +220,10 @@ def _plots(run, recorded: dict, section: str) -> str:
 
 def _concepts(run, top: int = 20) -> str:
     """The most used concepts (by chunk count), with the evidence a reader needs to judge them."""
-    import pyarrow.parquet as pq
+    from atlas.io.library import REBUILD_LIBRARY
 
     columns = ["concept_id", "domain", "name", "description", "chunk_count", "evidence_tags", "lifted_words"]
-    rows = pq.read_table(run.root / layout.LIBRARY / "concepts.parquet", columns=columns).to_pylist()
+    rows = read_parquet(run.root / layout.LIBRARY / "concepts.parquet", columns, hint=REBUILD_LIBRARY).to_pylist()
     per_domain: dict[str, int] = {}
     for r in rows:
         per_domain[r["domain"]] = per_domain.get(r["domain"], 0) + 1
@@ -351,7 +374,7 @@ def _cblm(run) -> str:
         config = _train_config(folder)
         models[folder.name] = {"model": _architecture(config),
                                **_flat(metrics or {"status": "no metrics.json yet (still training?)"})}
-        entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        entries = _log_entries(log) if log.exists() else []
         notes.append(_val_losses(folder.name, config, metrics, entries))
         if len(entries) > 1:  # one point is no curve; the table has its numbers
             series = {"train lm (that step's batch)": [e.get("train", {}).get("lm") for e in entries],

@@ -11,6 +11,7 @@ import socket
 import textwrap
 from dataclasses import dataclass, field
 
+from atlas.core.files import ArtifactError
 from atlas.core.lock import pid_alive
 from atlas.core.rundir import RunDir
 from atlas.stages import LIBRARY_STAGES, STAGES
@@ -65,9 +66,15 @@ def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
         for shard in range(status.shards_total):
             marker = run.shard_marker(stage.output, shard)
             if marker and marker.get("stage_hash") == info["hash"]:
+                counters, seconds = marker.get("counters", {}), marker.get("seconds", 0.0)
+                if not (isinstance(counters, dict) and all(_is_number(v) for v in counters.values())
+                        and _is_number(seconds)):
+                    raise ArtifactError(f"{run.marker_path(stage.output, shard)}: its counters or seconds are not "
+                                        f"numbers: the marker was edited or damaged; recompute the stage: atlas "
+                                        f"run CONFIG --force --stages {name}")
                 status.shards_done += 1
-                status.shard_seconds += marker.get("seconds", 0.0)
-                for key, value in marker.get("counters", {}).items():
+                status.shard_seconds += seconds
+                for key, value in counters.items():
                     status.counters[key] = status.counters.get(key, 0) + value
         status.failed = {int(k): v for k, v in info.get("errors", {}).items()}
         if run.is_stage_done(stage.output, info["hash"]):
@@ -76,6 +83,10 @@ def run_status(run: RunDir, manifest: dict | None = None) -> list[StageStatus]:
             status.state = "interrupted"  # killed or crashed: the same command resumes it
         statuses.append(status)
     return statuses
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def format_status(run: RunDir) -> str:
