@@ -287,6 +287,16 @@ def test_an_input_changed_after_planning_fails_its_shard(tmp_path, demo_records,
     assert len(set(doc_ids(tmp_path / "run"))) == 7
 
 
+def test_an_input_touched_after_planning_is_still_read_by_atlas_run(tmp_path, demo_records, capsys):
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"id": str(i), "text": r["text"][:500]}
+                                                  for i, r in enumerate(demo_records[:6])])
+    config = write_config(tmp_path, path)
+    assert main(["plan", str(config), "--stages", "chunk"]) == 0
+    os.utime(path, (1_000_000_000, 1_000_000_000))  # same bytes, another time: `atlas run` hashes it, and goes on
+    assert main(["run", str(config), "--inline", "--stages", "chunk"]) == 0
+    assert len(doc_ids(tmp_path / "run")) == 6
+
+
 def test_duplicate_chunk_ids_in_the_parts_are_an_error(tmp_path, demo_records, capsys):
     config = write_config(tmp_path, write_jsonl(tmp_path / "docs.jsonl", demo_records[:4]),
                           input={"docs_per_shard": 2})

@@ -46,7 +46,16 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import CHUNK_SCHEMA
-from atlas.io.inputs import PLAN_VERSION, Document, Reject, list_input_files, plan_shards, read_shard, url_fingerprint
+from atlas.io.inputs import (
+    PLAN_VERSION,
+    Document,
+    Reject,
+    file_version,
+    list_input_files,
+    plan_shards,
+    read_shard,
+    url_fingerprint,
+)
 from atlas.io.outofcore import duckdb_session, scratch
 
 CHUNKER_VERSION = 2  # bump when the algorithm changes, so finished runs are recomputed
@@ -363,6 +372,11 @@ class ChunkStage(Stage):
         if path.exists():
             plan = read_json(path)
             if plan.get("stage_hash") == stage_hash and plan.get("version") == PLAN_VERSION:
+                # The stage hash holds every file's content hash, taken by this run: a file whose time moved
+                # (touched, copied) is the file the plan cut, and its shards may go on reading it.
+                versions = [file_version(f) for f in plan["files"]]
+                if versions != plan["versions"]:
+                    atomic_write_json(path, plan | {"versions": versions})
                 return len(plan["shards"])
         # An older plan is made again: the same input gives the same shards, so finished ones stay valid.
         plan = plan_shards(self.config.input, path.parent, scratch_dir=run.output_dir(layout.TMP) / self.name,
