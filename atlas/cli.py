@@ -822,12 +822,13 @@ def main(argv: list[str] | None = None) -> int:
               f"fix the cause and rerun the same command to continue.", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - reading a run: what its readers did not foresee is still one line
-        if args.command not in (*READ_COMMANDS, "annotate-text"):
+        if args.command not in (*READ_COMMANDS, "annotate-text") or os.environ.get("ATLAS_TRACEBACK"):
             raise
         run = getattr(args, "run_dir", None) or args.annotator
         print(f"error: {run}: {type(e).__name__} while reading it ({' '.join(str(e).split())[:300]}): a file of the "
               f"run is damaged or was edited; `atlas status {run}` shows its stages, and recomputing the stage that "
-              f"wrote the file replaces it (atlas run CONFIG --force --stages STAGE)", file=sys.stderr)
+              f"wrote the file replaces it (atlas run CONFIG --force --stages STAGE); ATLAS_TRACEBACK=1 shows where",
+              file=sys.stderr)
         return 1
 
 
