@@ -63,8 +63,8 @@ PROMPT_PLACEHOLDERS = {
 }
 
 
-class TagShardFailed(RuntimeError):
-    """Too many of a shard's chunks failed to be tagged for the shard to count as done."""
+class TaggingFailed(RuntimeError):
+    """Too many chunks failed to be tagged for a shard (or the stage) to count as done."""
 
 
 def text_key(chunk: dict) -> str:
@@ -216,7 +216,7 @@ class TagStage(Stage):
     def finalize(self, run: RunDir, stats: Stats) -> None:
         """No tag at all is no library sample to build on: stop here, not in the next stage."""
         if stats["chunks_sampled"] and not stats["tags_out"]:
-            raise TagShardFailed(f"tag: none of the {stats['chunks_sampled']:,} sampled chunks got a tag "
+            raise TaggingFailed(f"tag: none of the {stats['chunks_sampled']:,} sampled chunks got a tag "
                                  f"(quarantined: {stats['chunks_quarantined']:,}; the reasons are in "
                                  f"{run.output_dir(self.output) / '_rejects'}); fix the engine, then rerun with "
                                  f"--force --stages tag")
@@ -235,7 +235,7 @@ class TagStage(Stage):
         errors = [k.removeprefix("engine_errors.") for k in stats.to_dict() if k.startswith("engine_errors.")]
         hint = (f" (engine errors: {', '.join(sorted(errors)[:3])}; is the server at {self.config.llm.base_url} up, "
                 f"and {self.config.llm.api_key_env} set?)" if errors and self.config.llm.engine == "openai" else "")
-        raise TagShardFailed(f"tag shard {shard}: {len(quarantined)} of {n_chunks} chunks failed ({shown}), more than "
+        raise TaggingFailed(f"tag shard {shard}: {len(quarantined)} of {n_chunks} chunks failed ({shown}), more than "
                              f"tag.max_failed_share ({limit:g}){hint}; nothing of this shard is kept as done, rerun "
                              f"the same command to try it again")
 
