@@ -5,6 +5,7 @@
     atlas stage NAME --run-dir RUN --shard I [--num-shards N]   run shard(s) of one stage
     atlas status RUN                          per stage: shards done/pending, counts, drops
     atlas inspect RUN chunks|tags [-n 5]      a few rows, readable
+    atlas inspect RUN shard-labels [--label NAME -n 5 --random SEED]   labels the annotated shards hold, and chunks
     atlas judge RUN [--sample 200]            relevance of tags to chunks, 1-5 (offline: a proxy)
     atlas eval library RUN [--label-field L]  per source, by document: probes, top-concept homogeneity vs k-means
     atlas eval annotator RUN [--label-field L]  the same on the annotator's concepts, plus held-out chunk probes
@@ -41,6 +42,8 @@ EXAMPLES = """examples:
   atlas run my.yaml --set chunk.domains.web.max_tokens=200
   atlas status runs/demo
   atlas inspect runs/demo chunks -n 3
+  atlas inspect runs/demo shard-labels              # labels in the annotated shards, per label and data domain
+  atlas inspect runs/demo shard-labels --label demographic:children -n 3 --random 1   # chunks carrying it
   atlas annotate-text runs/demo "Binary search halves the interval at every step."
   atlas cblm train runs/demo                        # a toy concept-bottleneck LM on the demo's token shards
 """
@@ -165,6 +168,10 @@ def _print_text(text: str, limit: int) -> None:
     print(textwrap.indent(shown, "    │ ", lambda line: True))
 
 
+# Not an output folder (``labels`` is the label stage's): what the annotated parts hold, counted in them.
+SHARD_LABELS = "shard-labels"
+
+
 def cmd_inspect(args) -> int:
     from atlas.core.rundir import RunDir
     from atlas.io.chunks import read_chunks
@@ -172,6 +179,11 @@ def cmd_inspect(args) -> int:
     from atlas.io.tags import read_tags
     from atlas.stages import STAGES
 
+    if args.what == SHARD_LABELS:
+        _inspect_shard_labels(RunDir(args.run_dir), args)
+        return 0
+    if args.label is not None:
+        raise UsageError(f"--label goes with `atlas inspect RUN {SHARD_LABELS}`, not with {args.what!r}")
     outputs = {stage.output: name for name, stage in STAGES.items()}
     if args.what not in outputs:
         raise UsageError(f"{args.what!r} is not an output folder; inspect one of: {', '.join(outputs)}")
@@ -221,6 +233,23 @@ def cmd_inspect(args) -> int:
         if text is not None:
             _print_text(text, args.chars)
     return 0
+
+
+def _inspect_shard_labels(run, args) -> None:
+    """The label counts of the annotated parts; with ``--label``, ``-n`` chunks carrying it, drawn at random."""
+    from atlas.io.library import load_library
+    from atlas.tools.labels import find_labels, print_label_counts, print_label_sample
+
+    concepts = load_library(run)[0]
+    if args.label is None:
+        print_label_counts(run, concepts)
+        return
+    found = find_labels(concepts, args.label)
+    if len(found) != 1:
+        which = "; ".join(f"{c['concept_id']} ({c['domain']})" for c in found) if found else "none"
+        raise UsageError(f"--label {args.label!r} names {len(found)} concepts of the library ({which}); give "
+                         "DOMAIN:NAME, a concept id, or a name from `atlas inspect RUN library`")
+    print_label_sample(run, found[0], args.n, 0 if args.random is None else args.random, args.chars)
 
 
 def _row_indices(total: int, args) -> list[int]:
@@ -557,10 +586,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the status as JSON rows")
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("inspect", help="print a few rows of a stage's output")
+    p = sub.add_parser("inspect", help="print a few rows of a stage's output, or the labels the shards hold",
+                       epilog="examples:\n  atlas inspect runs/demo library -n 5 --random 1\n"
+                              f"  atlas inspect runs/demo {SHARD_LABELS}\n"
+                              f"  atlas inspect runs/demo {SHARD_LABELS} --label demographic:children -n 3 --random 1",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels, library, "
-                                "targets, annotator (held-out predictions)")
+    p.add_argument("what", help="output folder: chunks, tags, tag_vocab, clusters, coherence, labels (the label "
+                                "stage's cluster names), library, targets, annotator (held-out predictions), "
+                                "annotated; or "
+                                f"{SHARD_LABELS}: the labels the annotated shards hold, counted per label domain "
+                                "and data domain")
+    p.add_argument("--label", metavar="NAME",
+                   help=f"with {SHARD_LABELS}: -n chunks carrying this label (a name, DOMAIN:NAME or a concept "
+                        "id), drawn at random (--random SEED, default 0)")
     p.add_argument("-n", type=_at_least(1), default=5, help="rows to show")
     p.add_argument("--chars", type=_at_least(1), default=600, help="characters of text to show per row")
     p.add_argument("--random", type=_at_least(0), metavar="SEED", default=None,

@@ -270,8 +270,18 @@ class AnnotatorConfig(Section):
     reservoir_size: int | None = Field(default=None, ge=1)
     min_per_concept: int = Field(default=20, ge=1)
     heldout_fraction: float = Field(default=0.2, gt=0, lt=1)  # paper: 597k of 2.9M chunks held out
-    # Auxiliary labels, offline engine: a label applies when its similarity to the chunk is aux_min_z
-    # standard deviations above its mean over the reservoir and at least aux_min_similarity.
+    # Auxiliary labels. A demographic, alignment or emotional-tone label must stay off neutral, technical text:
+    # each such label is calibrated against a null of that text (atlas.io.neutral_text), and a chunk gets it only
+    # when its score beats the null's aux_null_quantile (1.0: the highest score any null text reaches), both for
+    # the targets (offline: the label's embedding similarity) and for the annotator's calibrated probabilities.
+    # Offline, a label that may describe such text (a tone marked "expository": technical, neutral, ...) applies
+    # when its similarity is aux_min_z standard deviations above its mean over the reservoir; every label needs
+    # a similarity of at least aux_min_similarity.
+    # Offline, a chunk whose nearest null text is at cosine aux_null_nearest or more reads like the null (a licence
+    # clause, an API reference) and gets none of these labels (on the dev corpus' weak positives, 95% of the
+    # chunks are below 0.28; the technical sets' medians are 0.35-0.52, maths' 0.22: docs/quality.md).
+    aux_null_quantile: float = Field(default=1.0, ge=0.5, le=1)
+    aux_null_nearest: float = Field(default=0.4, gt=0, le=1)
     aux_min_z: float = Field(default=2.0, ge=-10, le=10)
     aux_min_similarity: float = Field(default=0.2, ge=-1, le=1)
     # Model: encoder -> pooled embedding; content head = scale * <embedding, K_c> + b_c with K initialized
@@ -300,7 +310,8 @@ class AnnotatorConfig(Section):
     # probability of a known positive (stored in annotator/config.json). A content concept is given when its
     # calibrated probability reaches the threshold that maximizes F1 of the known positives on held-out pairs
     # (at least the domain's known-positive rate); an auxiliary label (tone, demographic, alignment) when it
-    # reaches aux_min_probability, so a chunk may get none. max_caps only bounds the labels per chunk (a safety
+    # reaches aux_min_probability and, unless it is an expository tone, beats the null (aux_null_quantile above),
+    # so a chunk may get none. max_caps only bounds the labels per chunk (a safety
     # limit, not chosen by a criterion). Fixed values per domain in thresholds (calibrated probabilities) and
     # caps override the rule and max_caps.
     aux_min_probability: float = Field(default=0.5, gt=0, le=1)

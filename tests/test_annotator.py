@@ -29,7 +29,16 @@ from atlas.models.annotator import (
     save_annotator,
     valid_calibration,
 )
-from atlas.models.auxiliary import AuxDomain, calibrated_labels, load_aux_domains
+from atlas.models.auxiliary import (
+    AuxDomain,
+    answer_schema,
+    calibrated_labels,
+    chosen_labels,
+    describe_lists,
+    load_aux_domains,
+    null_thresholds,
+    reads_like_null,
+)
 from atlas.models.pu_metrics import (
     best_f1_threshold,
     calibration_report,
@@ -269,16 +278,57 @@ def test_split_is_by_document_and_stable():
 
 
 def test_calibrated_aux_labels():
-    domain = AuxDomain("tone", "", [{"name": n, "description": ""} for n in "abc"], max_labels=2, min_labels=1,
-                       path=None)
+    # a and b may describe neutral text (expository tones): compared with the chunks (z-score); c is calibrated
+    # against the null: it applies only above what neutral text reaches, however it stands out among the chunks
+    domain = AuxDomain("tone", "", [{"name": "a", "description": "", "expository": True},
+                                    {"name": "b", "description": "", "expository": True},
+                                    {"name": "c", "description": ""}], max_labels=2, min_labels=0, path=None)
+    null = np.array([[0.5, 0.5, 0.35], [0.1, 0.1, 0.2]])
+    thresholds = null_thresholds(null, domain, quantile=1.0, floor=0.2)
+    assert thresholds.tolist() == pytest.approx([0.2, 0.2, 0.35])  # expository: the floor; c: the null's highest
     similarity = np.full((20, 3), 0.3) + np.where(np.arange(20)[:, None] % 2, 0.01, -0.01)  # z about +-1
     similarity[5, 1] = 0.6  # label b stands out for chunk 5 only
-    labels = calibrated_labels(similarity, domain, min_z=2.0, min_similarity=0.2)
+    labels = calibrated_labels(similarity, domain, min_z=2.0, thresholds=thresholds)
     assert [j for j, _ in labels[5]] == [1]
-    # Nothing stands out for the other chunks: offline, min_labels=1 gives them no label (their best is noise).
+    # Nothing stands out for the other chunks: they get no label (their best is noise).
     assert all(row == [] for i, row in enumerate(labels) if i != 5)
     similarity[7] = [0.9, 0.8, 0.1]  # two labels stand out for chunk 7, the better first
-    assert [j for j, _ in calibrated_labels(similarity, domain, 2.0, 0.2)[7]] == [0, 1]
+    assert [j for j, _ in calibrated_labels(similarity, domain, 2.0, thresholds)[7]] == [0, 1]
+    similarity[9, 2] = 0.34  # stands out among the chunks (z > 2) but not above the null: abstain
+    assert calibrated_labels(similarity, domain, 2.0, thresholds)[9] == []
+    similarity[:, 2] = 0.5  # above the null for every chunk: a label the whole corpus carries, z or not
+    labels = calibrated_labels(similarity, domain, 2.0, thresholds)
+    assert all([j for j, _ in row] == [2] for i, row in enumerate(labels) if i not in (5, 7))
+    assert [j for j, _ in labels[7]] == [0, 1]  # at most max_labels, the best by z first
+    assert null_thresholds(null, domain, 0.5, 0.2).tolist() == pytest.approx([0.2, 0.2, 0.275])
+    # a chunk that reads like the null (a near copy of one of its texts) gets no null-checked label, only
+    # expository ones
+    like_null = np.zeros(20, dtype=bool)
+    like_null[[0, 7]] = True
+    labels = calibrated_labels(similarity, domain, 2.0, thresholds, like_null=like_null)
+    assert labels[0] == [] and [j for j, _ in labels[7]] == [0, 1] and [j for j, _ in labels[1]] == [2]
+    vectors = np.eye(3, dtype=np.float32)
+    assert reads_like_null(vectors, vectors[[0]], 0.9).tolist() == [True, False, False]
+    assert reads_like_null(vectors, np.zeros((0, 3), np.float32), 0.9).tolist() == [False] * 3
+    with pytest.raises(ValueError, match="null of the auxiliary labels is empty"):
+        null_thresholds(np.zeros((0, 3)), domain, 1.0, 0.2)
+
+
+def test_aux_answers_can_abstain():
+    tone, demographic = load_aux_domains(["tone", "demographic"])
+    schema = answer_schema([tone, demographic])
+    for name in ("tone", "demographic"):
+        field = schema.schema["properties"][name]
+        assert "none" in field["items"]["enum"] and field["minItems"] == 1  # abstaining is an answer
+    assert chosen_labels(["none"]) == [] and chosen_labels(["women", "none"]) == []  # a contradiction: nothing
+    assert chosen_labels(["women", "men"]) == ["women", "men"]
+    assert "or \"none\"" in describe_lists([tone])
+    # which labels stay off neutral text: every demographic label, and the tones that are not expository
+    assert all(demographic.null_checked) and demographic.sensitive
+    checked = dict(zip(tone.names, tone.null_checked))
+    assert not checked["technical"] and not checked["neutral"] and checked["angry"] and checked["frustrated"]
+    assert {"angry", "frustrated", "sarcastic", "hostile", "sad"} <= set(tone.sensitive_names)
+    assert "technical" not in tone.sensitive_names and set(demographic.sensitive_names) == set(demographic.names)
 
 
 def test_aux_lists_ship_and_bad_files_are_named(tmp_path):
@@ -290,6 +340,13 @@ def test_aux_lists_ship_and_bad_files_are_named(tmp_path):
         load_aux_domains(["tone"], str(tmp_path))
     with pytest.raises(SchemaError, match="no candidate list for auxiliary domain 'mood'"):
         load_aux_domains(["mood"], str(tmp_path))
+    (tmp_path / "aux" / "tone.json").write_text(json.dumps({"labels": [{"name": "none", "description": ""}]}))
+    with pytest.raises(SchemaError, match="'none' is the answer that abstains"):
+        load_aux_domains(["tone"], str(tmp_path))
+    (tmp_path / "aux" / "tone.json").write_text(json.dumps({"labels": [{"name": "x", "description": "",
+                                                                        "emotional": "yes"}]}))
+    with pytest.raises(SchemaError, match=r"labels\[0\] \(x\): 'emotional' must be true or false"):
+        load_aux_domains(["tone"], str(tmp_path))
 
 
 def test_editing_an_auxiliary_list_makes_the_targets_stale(tmp_path):

@@ -169,7 +169,8 @@ def test_index_search_and_export(corpus, capsys):
     concepts = pq.read_table(out_dir / "concepts.parquet").to_pylist()
     assert [c["concept_id"] for c in concepts] == list(range(len(concepts)))
     assert set(pq.read_schema(out_dir / "concepts.parquet").names) == {
-        "concept_id", "type", "name", "description", "taxonomy_path", "chunk_count", "prevalence"}
+        "concept_id", "type", "is_tone", "is_alignment", "is_demographic", "name", "description", "taxonomy_path",
+        "chunk_count", "prevalence"}
     guide = pq.read_table(out_dir / "field_guide").to_pydict()
     annotated = ds.dataset(run.output_dir("annotated"), format="parquet").to_table(
         columns=["chunk_id", "concepts"]).to_pydict()

@@ -162,12 +162,20 @@ TRAINED = [
 ]
 
 EXPORT, SEARCH = ["export", "RUN", "OUT"], ["search", "RUN", "binary search"]
+SHARD_LABELS = ["inspect", "RUN", "shard-labels"]
 # On a copy of it annotated and indexed (built once here).
 INDEXED = [
     ("annotated-part-truncated", lambda r: truncate(r / "annotated" / "part-00001.parquet"),
-     [EXPORT, SEARCH, ["inspect", "RUN", "annotated"]], ("annotated/part-00001.parquet", "--stages annotate")),
+     [EXPORT, SEARCH, ["inspect", "RUN", "annotated"], SHARD_LABELS, REPORT],
+     ("annotated/part-00001.parquet", "--stages annotate")),
     ("annotated-part-empty", lambda r: empty(r / "annotated" / "part-00001.parquet"),
-     [EXPORT, SEARCH], ("annotated/part-00001.parquet", "--stages annotate")),
+     [EXPORT, SEARCH, SHARD_LABELS], ("annotated/part-00001.parquet", "--stages annotate")),
+    ("annotated-part-without-tone-ids",
+     lambda r: drop_column(r / "annotated" / "part-00001.parquet", "tone_global_ids"), [SHARD_LABELS, REPORT],
+     ("annotated/part-00001.parquet", "missing column(s) ['tone_global_ids']", "--stages annotate")),
+    ("annotated-content-id-outside-its-domain",
+     lambda r: concept_outside_library(r / "annotated" / "part-00000.parquet", "content_global_ids"), [SHARD_LABELS],
+     ("annotated/part-00000.parquet", "content_global_ids holds concept id 99999", "--stages annotate")),
     ("annotated-part-without-concepts", lambda r: drop_column(r / "annotated" / "part-00000.parquet", "concepts"),
      [EXPORT], ("annotated/part-00000.parquet", "missing column(s) ['concepts']", "--stages annotate")),
     ("annotated-concept-outside-library",

@@ -242,6 +242,9 @@ def test_small_pieces():
     assert cross_tag_cohesion(chunks, [("strip",)] * 6, 0.0) is None  # one tag: nothing across tags
     assert make_unique(["python", "python", "python"], [["python", "snake"], ["python", "snake"], []]) == [
         "python", "python (snake)", "python 2"]
+    # an auxiliary label's name is reserved: the content concept "children" (tree nodes) is not the demographic
+    assert make_unique(["children", "parsing"], [["children", "child nodes"], []], ["children", "women"]) == [
+        "children (child nodes)", "parsing"]
     # a tag inherits when either cosine reaches its floor (0.55 as words, 0.5 joined); without contexts (null), the
     # words' alone; the SQL condition the coherence and library stages count chunks with says the same (DuckDB)
     import duckdb

@@ -305,7 +305,7 @@ def test_export_field_guide_is_the_in_memory_grouping(tmp_path, monkeypatch):
             for c in concepts_of_chunk:
                 pairs[int(c)].append(chunk)
         atomic_write_parquet(run.part_path("annotated", shard), pa.table(
-            {"chunk_id": ids, "concepts": pa.array(labels, pa.list_(pa.int64()))}))
+            {"chunk_id": ids, "domain": ["web"] * len(ids), "concepts": pa.array(labels, pa.list_(pa.int64()))}))
     config = config_from_dict({"name": "t", "run_dir": str(run.root)})
     run.write_manifest({"config": config.model_dump(), "stages": {
         "annotate": {"output": "annotated", "num_shards": 3, "hash": "h"}}})

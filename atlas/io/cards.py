@@ -59,6 +59,7 @@ COLUMNS = {
     "content_global_ids": "content concepts", "tone_global_ids": "tone labels",
     "demographic_global_ids": "demographic labels", "alignment_global_ids": "alignment labels",
     "chunk_count": "tagged chunks carrying it", "prevalence": "chunk_count over all tagged chunks",
+    "is_tone": "a tone label", "is_alignment": "an alignment label", "is_demographic": "a demographic label",
     "taxonomy_path": "null for now", "merged_from": "cluster ids", "lifted_words": "words with the highest lift",
     "split": "train or heldout (by document)", "picked": "long_tail (rare concepts first) or fill",
     "aux_status": "how the auxiliary labels were made", "targets": "inherited concept ids",

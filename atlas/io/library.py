@@ -16,8 +16,12 @@ from atlas.io import layout
 from atlas.io.cards import CARD_FILE, CONFIGS_FILE
 from atlas.io.tags import read_tags
 
+# A concept's group as boolean columns beside ``domain``, as the Steerling release's concept catalog marks them: a
+# publisher drops a group with one filter (``not is_demographic``) instead of knowing the domain names.
+DOMAIN_FLAGS = {"is_tone": "tone", "is_alignment": "alignment", "is_demographic": "demographic"}
 CONCEPT_SCHEMA = pa.schema(
-    [("concept_id", pa.int64()), ("domain", pa.string()), ("name", pa.string()), ("description", pa.string()),
+    [("concept_id", pa.int64()), ("domain", pa.string()), *((flag, pa.bool_()) for flag in DOMAIN_FLAGS),
+     ("name", pa.string()), ("description", pa.string()),
      ("evidence_tags", pa.list_(pa.string())), ("n_tags", pa.int64()), ("chunk_count", pa.int64()),
      ("prevalence", pa.float64()), ("taxonomy_path", pa.string()), ("merged_from", pa.list_(pa.int64())),
      ("lifted_words", pa.list_(pa.string()))]
@@ -28,6 +32,11 @@ TAG_TO_CONCEPT_SCHEMA = pa.schema([("tag_norm", pa.string()), ("cluster_id", pa.
 # vote, read in the chunk (atlas.stages.library.near_votes_in_context); a chunk's rows are consecutive.
 NEAR_VOTES_SCHEMA = pa.schema([("chunk_id", pa.string()), ("concept_id", pa.int64()), ("votes", pa.float32())])
 REBUILD_LIBRARY = "rebuild the library (atlas run CONFIG --force --stages library)"
+
+
+def domain_flags(domain: str) -> dict[str, bool]:
+    """The ``DOMAIN_FLAGS`` columns of a concept of ``domain``: a content concept has them all false."""
+    return {flag: domain == flagged for flag, flagged in DOMAIN_FLAGS.items()}
 
 
 def inherits(similarity: float, joined_similarity: float | None, library: LibraryConfig) -> bool:

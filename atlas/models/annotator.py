@@ -37,8 +37,9 @@ of a *known* positive, a lower bound: an unlabeled pair may be right (under the 
 frequency f the true rate would be about p / f).
 
 **Decision rule** (``decide``): per domain, the labels whose calibrated probability reaches the
-domain's threshold, best first, at most ``cap`` of them; the cap is only a safety limit, so a chunk
-gets as many labels as pass the threshold. The thresholds are chosen by the ``train_annotator`` stage.
+domain's threshold (and an auxiliary label's own threshold against the null, where higher), best first, at
+most ``cap`` of them; the cap is only a safety limit, so a chunk gets as many labels as pass the threshold.
+The thresholds are chosen by the ``train_annotator`` stage.
 
 Saved as ``model.safetensors`` (heads; plus ``encoder/`` when fine-tuned) and ``config.json``
 (encoder, dims, label space, thresholds, caps and calibration per domain). Nothing is pickled.
@@ -254,13 +255,22 @@ def valid_calibration(calibration) -> bool:
 # --- decision rule -----------------------------------------------------------------------------
 
 
-def decide(probs: np.ndarray, threshold: float, cap: int) -> list[list[tuple[int, float]]]:
-    """Per row, the labels with probability >= threshold, highest first, at most ``cap`` of them (a safety limit)."""
+def decide(probs: np.ndarray, threshold: float | np.ndarray, cap: int) -> list[list[tuple[int, float]]]:
+    """Per row, the labels with probability >= threshold (one for the domain, or one per label), highest first,
+    at most ``cap`` of them (a safety limit)."""
     if probs.shape[1] == 0:
         return [[] for _ in range(len(probs))]
     k = min(cap, probs.shape[1])
     top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-    return [[(int(j), float(row[j])) for j in order if row[j] >= threshold] for row, order in zip(probs, top)]
+    needed = np.broadcast_to(np.asarray(threshold, dtype=np.float64), (probs.shape[1],))
+    return [[(int(j), float(row[j])) for j in order if row[j] >= needed[j]] for row, order in zip(probs, top)]
+
+
+def label_thresholds(domain: dict) -> float | np.ndarray:
+    """What each label of a domain (an entry of ``AnnotatorSpec.domains``) must reach: the domain's threshold, or a
+    label's own where that is higher (``label_thresholds``: an auxiliary label calibrated against the null)."""
+    own = domain.get("label_thresholds")
+    return domain["threshold"] if own is None else np.maximum(domain["threshold"], np.asarray(own, np.float64))
 
 
 # --- save, load, predict -----------------------------------------------------------------------
@@ -274,7 +284,8 @@ class AnnotatorSpec:
     dim: int
     hidden: int
     dropout: float
-    # domain -> {"offset", "size", "threshold", "cap", "calibration": {"method": "platt", "a", "b"}}; "content" first
+    # domain -> {"offset", "size", "threshold", "cap", "calibration": {"method": "platt", "a", "b"}}, and for an
+    # auxiliary domain "label_thresholds" (per label, from the null; see label_thresholds); "content" first
     domains: dict[str, dict]
     library_sha256: str = ""
     format: int = ANNOTATOR_FORMAT
@@ -327,6 +338,11 @@ class Annotator:
                 isinstance(v, dict) and {"offset", "size", "threshold", "cap"} <= v.keys() for v in domains.values()):
             raise ArtifactError(f"{config_path}: 'domains' must map 'content' and each auxiliary domain to its "
                                 f"offset, size, threshold and cap; {RETRAIN}")
+        if bad := sorted(d for d, v in domains.items() if v.get("label_thresholds") is not None and not (
+                isinstance(v["label_thresholds"], list) and len(v["label_thresholds"]) == v["size"]
+                and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in v["label_thresholds"]))):
+            raise ArtifactError(f"{config_path}: 'label_thresholds' of domain(s) {', '.join(bad)} must list one "
+                                f"number per label; {RETRAIN}")
         uncalibrated = sorted(d for d, v in domains.items() if not valid_calibration(v.get("calibration")))
         if uncalibrated:
             raise ArtifactError(f"{config_path}: no calibration for domain(s) {', '.join(uncalibrated)} (an annotator "
@@ -413,7 +429,7 @@ class Annotator:
         n = len(next(iter(probs.values())))
         out = [{} for _ in range(n)]
         for domain, v in self.spec.domains.items():
-            for row, labels in zip(out, decide(probs[domain], v["threshold"], v["cap"])):
+            for row, labels in zip(out, decide(probs[domain], label_thresholds(v), v["cap"])):
                 row[domain] = [(v["offset"] + j, p) for j, p in labels]
         return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import blingfire
 import numpy as np
@@ -199,9 +199,11 @@ def configured_llm_labels(config, evidence: list[list[tuple[str, int]]],
         engine.close()
 
 
-def make_unique(names: list[str], alternatives: list[list[str]]) -> list[str]:
-    """Names in order of priority; a taken name gets its next alternative tag in parentheses, else a number."""
-    taken, out = set(), []
+def make_unique(names: list[str], alternatives: list[list[str]], reserved: Iterable[str] = ()) -> list[str]:
+    """Names in order of priority; a taken name gets its next alternative tag in parentheses, else a number.
+    ``reserved`` names are taken from the start (the auxiliary labels': a content concept is never called
+    ``sarcastic`` or ``children``, which a reader would take for the tone or the demographic label)."""
+    taken, out = set(reserved), []
     for name, options in zip(names, alternatives):
         candidate = name
         for option in (o for o in options if o != name):

@@ -31,6 +31,7 @@ from atlas.io.outofcore import PAIRS_PER_PASS, budget_slices, duckdb_session, sc
 from atlas.io.tags import float_rows, load_vocab
 from atlas.llm.engine import make_engine, setup_engine
 from atlas.llm.offline import singular_name
+from atlas.models.auxiliary import configured_domains, list_hashes
 from atlas.models.headings import lcsh_file, load_headings
 from atlas.models.labeler import (
     example_sentence,
@@ -62,7 +63,9 @@ class LabelStage(Stage):
         return self.needs + llm_extras(self.config.llm.engine)
 
     def identity(self) -> dict:
-        identity = {"version": LABEL_VERSION, "label_tags": self.config.library.label_tags}
+        # the auxiliary lists' names are reserved: a content concept never takes one
+        identity = {"version": LABEL_VERSION, "label_tags": self.config.library.label_tags,
+                    "aux_files": list_hashes(configured_domains(self.config))}
         if self.config.library.name_headings != "none":  # absent when off: runs made before it keep their identity
             identity["name_headings"] = lcsh_file().name
         if self.config.llm.engine == "offline":
@@ -117,7 +120,8 @@ class LabelStage(Stage):
                 else:
                     row["name"], row["description"] = answer
         rows.sort(key=lambda r: (-r["count"], r["cluster_id"]))  # the most used concept keeps a contested name
-        unique = make_unique([r["name"] for r in rows], [r["evidence_tags"] for r in rows])
+        aux_names = [n for d in configured_domains(self.config) for n in d.names]
+        unique = make_unique([r["name"] for r in rows], [r["evidence_tags"] for r in rows], aux_names)
         stats.inc("names_disambiguated", sum(a != b for a, b in zip(unique, (r["name"] for r in rows))))
         for row, name in zip(rows, unique):
             row["name"] = name

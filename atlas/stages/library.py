@@ -13,9 +13,9 @@ lists in ``schemas/aux/``) follow the content concepts in the same id space: ``c
 ``domain_offsets`` and ``domain_sizes``, and a label's global id is its domain's offset plus its
 position in the list. Their ``chunk_count`` is null until the corpus is annotated.
 
-    library/concepts.parquet        concept_id (dense, by chunk_count), domain, name, description,
-                                    evidence_tags, n_tags, chunk_count, prevalence, taxonomy_path,
-                                    merged_from, lifted_words
+    library/concepts.parquet        concept_id (dense, by chunk_count), domain, is_tone, is_alignment,
+                                    is_demographic (the domain as flags), name, description, evidence_tags,
+                                    n_tags, chunk_count, prevalence, taxonomy_path, merged_from, lifted_words
     library/tag_to_concept.parquet  tag_norm, cluster_id, concept_id (null: the cluster was dropped, or the tag is
                                     at its edge: below library.tag_min_similarity to its centroid and, clustered
                                     with contexts, below library.joined_min_similarity to it in the joined space),
@@ -75,7 +75,14 @@ from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
-from atlas.io.library import CONCEPT_SCHEMA, NEAR_VOTES_SCHEMA, TAG_TO_CONCEPT_SCHEMA, inherits, inherits_sql
+from atlas.io.library import (
+    CONCEPT_SCHEMA,
+    NEAR_VOTES_SCHEMA,
+    TAG_TO_CONCEPT_SCHEMA,
+    domain_flags,
+    inherits,
+    inherits_sql,
+)
 from atlas.io.outofcore import PartWriter, checked_parts, duckdb_session, record_batches, scratch, sql_list
 from atlas.io.tags import float_rows, load_vocab, tag_parts, vocab_fields
 from atlas.llm.engine import make_engine, setup_engine
@@ -84,8 +91,8 @@ from atlas.models.auxiliary import configured_domains, list_hashes
 from atlas.models.embedder import Embedder, embed_chunks, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
-LIBRARY_VERSION = 7  # 4: config.json names the fields the concepts come from; 5: near_concept_id; 6: joined space
-# 7: near votes read in each chunk (near_votes.parquet)
+LIBRARY_VERSION = 8  # 4: config.json names the fields the concepts come from; 5: near_concept_id; 6: joined space
+# 7: near votes read in each chunk (near_votes.parquet); 8: is_tone, is_alignment, is_demographic in concepts.parquet
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3
@@ -303,18 +310,19 @@ class LibraryStage(Stage):
         for i, concept in enumerate(concepts):
             concept["chunk_count"], concept["lifted"] = chunk_count.get(i, 0), lifted.get(i, [])
         concepts.sort(key=lambda c: (-c["chunk_count"], c["name"]))  # dense ids, most used first
-        rows = [{"concept_id": i, "domain": "content", "name": c["name"], "description": c["description"],
-                 "evidence_tags": c["evidence"], "n_tags": c["n_tags"], "chunk_count": c["chunk_count"],
-                 "prevalence": c["chunk_count"] / max(n_chunks, 1), "taxonomy_path": None,
-                 "merged_from": sorted(c["merged_from"]), "lifted_words": c["lifted"]}
+        rows = [{"concept_id": i, "domain": "content", **domain_flags("content"), "name": c["name"],
+                 "description": c["description"], "evidence_tags": c["evidence"], "n_tags": c["n_tags"],
+                 "chunk_count": c["chunk_count"], "prevalence": c["chunk_count"] / max(n_chunks, 1),
+                 "taxonomy_path": None, "merged_from": sorted(c["merged_from"]), "lifted_words": c["lifted"]}
                 for i, c in enumerate(concepts)]
         concept_of_cluster = {cluster: row["concept_id"] for row in rows for cluster in row["merged_from"]}
         offsets, n_content = {"content": 0}, len(rows)
         for domain in configured_domains(self.config):  # after the content concepts: tone, demographic, alignment
             offsets[domain.name] = len(rows)
-            rows += [{"concept_id": len(rows) + i, "domain": domain.name, "name": label["name"],
-                      "description": label["description"], "evidence_tags": [], "n_tags": 0, "chunk_count": None,
-                      "prevalence": None, "taxonomy_path": None, "merged_from": [], "lifted_words": []}
+            rows += [{"concept_id": len(rows) + i, "domain": domain.name, **domain_flags(domain.name),
+                      "name": label["name"], "description": label["description"], "evidence_tags": [], "n_tags": 0,
+                      "chunk_count": None, "prevalence": None, "taxonomy_path": None, "merged_from": [],
+                      "lifted_words": []}
                      for i, label in enumerate(domain.labels)]
         c = self.config.library
         mapping = {"tag_norm": clusters["tag_norm"], "cluster_id": clusters["cluster_id"],
@@ -440,7 +448,9 @@ class LibraryStage(Stage):
             for i, answer in zip(renamed, llm_labels(self.engine, evidence) if renamed else []):
                 if answer is not None:
                     merged[i]["name"], merged[i]["description"] = answer
-        for concept, name in zip(merged, make_unique([m["name"] for m in merged], [m["evidence"] for m in merged])):
+        aux_names = [n for d in configured_domains(self.config) for n in d.names]
+        for concept, name in zip(merged, make_unique([m["name"] for m in merged], [m["evidence"] for m in merged],
+                                                     aux_names)):
             concept["name"] = name
         return merged
 

@@ -12,10 +12,10 @@
    (``annotator.heldout_fraction``; the paper held out 597k of 2.9M chunks), so the held-out
    figures are not inflated by near-copies from the same document.
 4. **Auxiliary labels** (tone, demographic reference, alignment-relevant) for every reservoir chunk
-   from the finite lists in ``schemas/aux/`` (see ``atlas.models.auxiliary``): an LLM picks which apply,
-   or offline, calibrated embedding similarity. LLM answers are validated, retried and cached in
-   ``RUN/_cache/aux/``; a chunk whose answers all fail keeps its content targets, gets no auxiliary
-   labels and is counted (``aux_status`` says why).
+   from the finite lists in ``schemas/aux/`` (see ``atlas.models.auxiliary``): an LLM picks which apply
+   (or abstains), or offline, embedding similarity calibrated against a null of neutral text. LLM answers are
+   validated, retried and cached in ``RUN/_cache/aux/``; a chunk whose answers all fail keeps its content
+   targets, gets no auxiliary labels and is counted (``aux_status`` says why).
 
     targets/part-00000.parquet   chunk_id, doc_id, domain, split, picked, concepts (all global ids),
                                  content_global_ids, <aux>_global_ids, aux_status
@@ -49,6 +49,7 @@ from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.library import check_tag_to_concept, inheriting_fields, load_library
+from atlas.io.neutral_text import neutral_texts
 from atlas.io.outofcore import (
     PartWriter,
     RowFile,
@@ -67,10 +68,19 @@ from atlas.llm.ask import ask_until_done
 from atlas.llm.cache import RequestCache
 from atlas.llm.engine import LLMRequest, LLMResult, make_tag_engine
 from atlas.llm.prompts import load_prompt
-from atlas.models.auxiliary import answer_schema, calibrated_labels, configured_domains, describe_lists, list_hashes
+from atlas.models.auxiliary import (
+    answer_schema,
+    calibrated_labels,
+    chosen_labels,
+    configured_domains,
+    describe_lists,
+    list_hashes,
+    null_thresholds,
+    reads_like_null,
+)
 from atlas.models.embedder import Embedder, encode_cached
 
-TARGETS_VERSION = 3  # 3: offline, a chunk gets no auxiliary label unless one stands out (no forced tone)
+TARGETS_VERSION = 4
 AUX_PROMPT = {"system": set(), "user": {"lists", "text"}, "repair": {"problem", "field_names"}}
 AUX_BLOCK = 32_768  # reservoir chunks embedded, labeled and written at a time (~50 MB of float32 embeddings)
 SPILL_ROWS = 8_192  # reservoir rows (with their texts: ~8 MB) taken from the join at a time
@@ -213,7 +223,8 @@ class TargetsStage(Stage):
         if self.config.llm.engine == "offline":
             return identity | {"aux": "offline", "embedding_model": self.config.tag.embedding_model,
                                "min_z": a.aux_min_z, "min_similarity": a.aux_min_similarity,
-                               "batch": a.embed_batch_size}
+                               "null_quantile": a.aux_null_quantile, "null_nearest": a.aux_null_nearest,
+                               "null_sha256": stable_hash(list(neutral_texts())), "batch": a.embed_batch_size}
         prompt = load_prompt(PROJECT_ROOT / "prompts" / "aux.yaml", AUX_PROMPT)
         return identity | {"aux": make_tag_engine(self.config).identity(), "prompt_sha256": prompt.sha256,
                            "max_attempts": self.config.tag.max_attempts}
@@ -338,13 +349,18 @@ class TargetsStage(Stage):
         return tqdm(total=total, desc=desc, unit=unit, disable=not self.config.execution.progress)
 
     def _aux_offline(self, run: RunDir, tmp, domains, texts: Iterator, stats: Stats) -> Iterator:
-        """Calibrated embedding similarity between each chunk and each label's "name: description". Every block's
-        similarities go to disk first, as each label is standardized over the whole reservoir; then the labels, by
-        block."""
+        """Embedding similarity between each chunk and each label's "name: description", calibrated against the
+        null (see ``atlas.models.auxiliary``). Every block's similarities go to disk first, as each label is
+        standardized over the whole reservoir; then the labels, by block."""
         a = self.config.annotator
         embedder, cache = self.embedder, run.root / layout.CACHE / "embeddings"
         labels = {d.name: encode_cached(embedder, d.texts, cache)[0].astype(np.float32) for d in domains}
+        null = encode_cached(embedder, list(neutral_texts()), cache, a.embed_batch_size)[0].astype(np.float32)
+        thresholds = {d.name: null_thresholds(null @ labels[d.name].T, d, a.aux_null_quantile,
+                                              a.aux_min_similarity) for d in domains}
+        stats.inc("null_texts", len(null))
         similarity = {d.name: RowFile(tmp / f"similarity_{d.name}.f32", len(d.labels)) for d in domains}
+        like_null = RowFile(tmp / "like_null.f32", 1)
         block = -(-AUX_BLOCK // a.embed_batch_size) * a.embed_batch_size  # whole batches: the cache's unit
         stats.inc("chunks_embedded", 0)
         n = 0
@@ -357,11 +373,14 @@ class TargetsStage(Stage):
                 chunk_vectors = vectors.astype(np.float32)
                 for d in domains:
                     similarity[d.name].append(chunk_vectors @ labels[d.name].T)
+                like_null.append(reads_like_null(chunk_vectors, null, a.aux_null_nearest)[:, None].astype(np.float32))
         column_stats = {d.name: similarity[d.name].column_stats() for d in domains}
         for start in range(0, n, AUX_BLOCK):
+            neutral = like_null.read(start, AUX_BLOCK)[:, 0] > 0
+            stats.inc("aux_like_null", int(neutral.sum()))
             aux = {d.name: [[j for j, _ in chosen] for chosen in calibrated_labels(
-                similarity[d.name].read(start, AUX_BLOCK), d, a.aux_min_z, a.aux_min_similarity,
-                column_stats[d.name])] for d in domains}
+                similarity[d.name].read(start, AUX_BLOCK), d, a.aux_min_z, thresholds[d.name],
+                column_stats[d.name], neutral)] for d in domains}
             yield aux, ["offline"] * min(AUX_BLOCK, n - start)
 
     def _aux_llm(self, run: RunDir, domains, texts: Iterator, stats: Stats) -> Iterator:
@@ -403,6 +422,7 @@ class TargetsStage(Stage):
         stats.merge({f"aux_{name}": n for name, n in counters.items() if n})
         stats.inc("aux_failed", sum(s != "ok" for s in status))
         position = {d.name: {name: j for j, name in enumerate(d.names)} for d in domains}
-        aux = {d.name: [[position[d.name][n] for n in answers.get(i, {}).get(d.name, [])] for i in range(len(texts))]
-               for d in domains}
+        aux = {d.name: [[position[d.name][n] for n in chosen_labels(answers.get(i, {}).get(d.name, []))]
+                        for i in range(len(texts))] for d in domains}
+        stats.inc("aux_abstained", sum(chosen_labels(answers[i][d.name]) == [] for i in answers for d in domains))
         return aux, status

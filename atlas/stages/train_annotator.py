@@ -21,8 +21,11 @@ per label (``annotator.label_frequency``). Then, on the held-out split:
   (``best_f1_threshold``; about half the best F1 for calibrated probabilities, so it follows how well
   the domain can be predicted; never below the domain's known-positive rate); for the auxiliary
   domains ``annotator.aux_min_probability`` (0.5: a tone, demographic or alignment label only when it
-  is more likely than not, so many chunks get none). The cap (``annotator.max_caps``) only bounds the
-  labels per chunk; ``annotator.thresholds`` and ``annotator.caps`` fix either per domain;
+  is more likely than not, so many chunks get none) and, for every label but the expository tones, the
+  probability the null's neutral texts reach (``atlas.io.neutral_text``; ``annotator.aux_null_quantile``): a
+  label that fires on API documentation or a licence would fire on the corpus' technical text too. The cap
+  (``annotator.max_caps``) only bounds the labels per chunk; ``annotator.thresholds`` and ``annotator.caps`` fix
+  either per domain;
 - **metrics**: the model is measured next to two baselines that need no training: kNN over concept
   embeddings (cosine of the chunk with each concept's "name: description") and kNN over training
   chunks (similarity-weighted vote of the 20 nearest). Metrics are PU-aware: recall@k and PR-AUC on
@@ -46,13 +49,15 @@ import numpy as np
 import pyarrow as pa
 
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes
+from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes, stable_hash
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.library import load_library
+from atlas.io.neutral_text import neutral_texts
+from atlas.models.auxiliary import configured_domains, list_hashes, null_thresholds
 from atlas.models.embedder import Embedder, encode_cached, use_stage_threads
 from atlas.models.pu_metrics import (
     best_f1_threshold,
@@ -66,7 +71,7 @@ from atlas.models.pu_metrics import (
 if TYPE_CHECKING:  # scipy comes with the library extra: imported where it is used
     from scipy import sparse
 
-TRAIN_VERSION = 2  # 2: Platt-calibrated probabilities, threshold rule with a safety cap
+TRAIN_VERSION = 3
 DEFAULT_CAP = 10  # the cap of a domain missing from annotator.max_caps
 KNN_NEIGHBOURS = 20
 PREDICTIONS_SCHEMA = pa.schema(
@@ -98,7 +103,9 @@ class TrainAnnotatorStage(Stage):
     def identity(self) -> dict:
         a = self.config.annotator
         return {"version": TRAIN_VERSION, "annotator": a.model_dump(exclude={"reservoir_size", "min_per_concept",
-                                                                             "heldout_fraction", "device"})}
+                                                                             "heldout_fraction", "device"}),
+                "aux_files": list_hashes(configured_domains(self.config)),
+                "null_sha256": stable_hash(list(neutral_texts()))}
 
     def setup(self) -> None:
         import torch
@@ -200,12 +207,14 @@ class TrainAnnotatorStage(Stage):
         stored = {d: {k: calibration[d][k] for k in ("method", "a", "b")} for d in offsets}
         probs = {d: calibrate(logits[d], stored[d]) for d in offsets}  # what Annotator.probabilities gives
         rules = {d: self._rule(d, probs[d], truth[d]) for d in offsets}
+        null = self._null_thresholds(run, heads, encoder, stored, stats)
         spec = AnnotatorSpec(
             encoder="encoder" if encoder is not None else a.encoder, dim=int(embeddings.shape[1]), hidden=a.hidden,
             dropout=a.dropout,
             library_sha256=sha256_bytes((run.output_dir(layout.LIBRARY) / "concepts.parquet").read_bytes()),
             domains={d: {"offset": offsets[d], "size": sizes[d], "threshold": rules[d]["threshold"],
-                         "cap": rules[d]["cap"], "calibration": stored[d]} for d in offsets},
+                         "cap": rules[d]["cap"], "calibration": stored[d]}
+                     | ({"label_thresholds": null[d]} if d in null else {}) for d in offsets},
         )
         folder = run.output_dir(self.output)
         metrics = self._evaluate(run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table,
@@ -218,6 +227,30 @@ class TrainAnnotatorStage(Stage):
         save_annotator(folder, heads, spec, encoder)
         self._plot(run, history, metrics)
         return stats
+
+    def _null_thresholds(self, run: RunDir, heads, encoder, calibration: dict, stats: Stats) -> dict[str, list]:
+        """Per auxiliary domain, per label, the probability a chunk must reach to beat the null: just above what
+        the null's texts reach (``null_thresholds``), 0 for an expository label (the domain's threshold decides)."""
+        import torch
+
+        from atlas.models.annotator import calibrate
+
+        a, texts = self.config.annotator, list(neutral_texts())
+        if encoder is None:
+            vectors = self._embed(run, texts, stats, "null")
+        else:  # fine-tuned: the null seen through the new encoder, as the corpus will be
+            vectors = encoder.encode(texts, normalize_embeddings=True, convert_to_numpy=True,
+                                     batch_size=64).astype(np.float32)
+        with torch.no_grad():
+            logits = {d: z.numpy() for d, z in heads(torch.from_numpy(vectors)).items()}
+        out = {}
+        for domain in configured_domains(self.config):
+            reached = null_thresholds(calibrate(logits[domain.name], calibration[domain.name]), domain,
+                                      a.aux_null_quantile, 0.0)
+            # decide keeps a probability >= its threshold: the next float up, so a score equal to the null's is out
+            above = np.where(domain.null_checked, np.nextafter(reached.astype(np.float64), np.inf), 0.0)
+            out[domain.name] = [float(t) for t in above]
+        return out
 
     def _rule(self, domain: str, probs: np.ndarray, truth) -> dict:
         """A domain's threshold and safety cap on calibrated held-out probabilities (see the module docstring)."""
@@ -338,13 +371,13 @@ class TrainAnnotatorStage(Stage):
 
     def _evaluate(self, run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table, concepts,
                   stats) -> dict:
-        from atlas.models.annotator import decide
+        from atlas.models.annotator import decide, label_thresholds
 
         a = self.config.annotator
         metrics: dict = {"heldout_chunks": int(heldout.sum()), "train_chunks": int(train.sum()), "domains": {}}
         decided = {}
         for d, v in spec.domains.items():
-            decided[d] = decide(probs[d], v["threshold"], v["cap"])
+            decided[d] = decide(probs[d], label_thresholds(v), v["cap"])
             metrics["domains"][d] = ranking_metrics(probs[d], truth[d], decided[d])
             metrics["domains"][d] |= {"labels_per_chunk": labels_per_chunk(decided[d], v["cap"]),
                                       "median_predicted_score": median_predicted_score(decided[d])}

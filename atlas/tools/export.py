@@ -2,13 +2,17 @@
 
     OUT/chunks/part-*.parquet     chunk_id, doc_id, source_doc_id, data_src, domain, text, n_tokens,
                                   doc_end_flag, metadata, concepts, concept_scores, <domain>_global_ids
-    OUT/concepts.parquet          concept_id, type (content | tone | demographic | alignment), name,
-                                  description, taxonomy_path, chunk_count, prevalence (from the annotation)
+    OUT/concepts.parquet          concept_id, type (content | tone | demographic | alignment), is_tone,
+                                  is_alignment, is_demographic (the type as flags, as Steerling's concept catalog
+                                  marks them), name, description, taxonomy_path, chunk_count, prevalence (from the
+                                  annotation)
     OUT/field_guide/part-*.parquet  concept_id, chunk_ids: which chunks carry each concept (reverse index), in
                                   corpus order; a concept carried by more than 100,000 chunks continues on the next
                                   rows (so no row grows with the corpus), a concept carried by none has one empty row
     OUT/cooccurrence.npz          scipy.sparse CSR [n_concepts, n_concepts]: chunks carrying both concepts
                                   (the diagonal is chunk_count); load with scipy.sparse.load_npz
+    OUT/export.json               counts: chunks, concepts, and per label domain and data domain the chunks
+                                  labeled and the labels (atlas.io.annotated.label_counts)
     OUT/README.md                 what each file holds; its YAML front matter (configs chunks, concepts, field_guide)
                                   lets ``datasets.load_dataset(OUT)`` read it, here or as a Hub dataset
                                   (``--push-to-hub``, atlas/tools/publish.py)
@@ -34,13 +38,15 @@ from atlas.core.files import atomic_write_bytes, atomic_write_json, atomic_write
 from atlas.core.ownership import NotOwned, claim, clear_owned
 from atlas.core.rundir import RunDir
 from atlas.io import layout
+from atlas.io.annotated import count_summary, label_counts
 from atlas.io.cards import front_matter
-from atlas.io.library import check_annotated, load_library
+from atlas.io.library import DOMAIN_FLAGS, check_annotated, domain_flags, load_library
 from atlas.io.outofcore import LIST_BUDGET, PAIRS_PER_PASS, PartWriter, budget_slices, scratch
 
 CONCEPTS_SCHEMA = pa.schema(
-    [("concept_id", pa.int64()), ("type", pa.string()), ("name", pa.string()), ("description", pa.string()),
-     ("taxonomy_path", pa.string()), ("chunk_count", pa.int64()), ("prevalence", pa.float64())]
+    [("concept_id", pa.int64()), ("type", pa.string()), *((flag, pa.bool_()) for flag in DOMAIN_FLAGS),
+     ("name", pa.string()), ("description", pa.string()), ("taxonomy_path", pa.string()), ("chunk_count", pa.int64()),
+     ("prevalence", pa.float64())]
 )
 FIELD_GUIDE_SCHEMA = pa.schema([("concept_id", pa.int64()), ("chunk_ids", pa.list_(pa.string()))])
 FIELD_GUIDE_ROWS_PER_PART = 4096  # concepts a part
@@ -60,12 +66,14 @@ README = """# Atlas release view of run `{name}`
 | file | rows | what |
 |---|---:|---|
 | `chunks/part-*.parquet` | {n_chunks:,} | the annotated chunks: text, metadata, concept ids (global) and scores |
-| `concepts.parquet` | {n_concepts:,} | the concepts: id, type, name, description, taxonomy path, chunk count, \
-prevalence |
+| `concepts.parquet` | {n_concepts:,} | the concepts: id, type, `is_tone`, `is_alignment`, `is_demographic` (the \
+type as flags), name, description, taxonomy path, chunk count, prevalence |
 | `field_guide/part-*.parquet` | {n_guide_rows:,} | for every concept, the ids of the chunks that carry it \
 (in corpus order; more than {ids_per_row:,} continue on the next rows) |
 | `cooccurrence.npz` | {n_concepts:,} x {n_concepts:,} | chunks carrying both concepts \
 (sparse; `scipy.sparse.load_npz`) |
+| `export.json` | | counts; `label_counts`: per label domain and data domain, the chunks with at least one label of \
+the domain (`chunks_labeled`) and the labels in all |
 
 Concept ids are global: {offsets}. A chunk's `concepts` and `concept_scores` list its labels
 domain by domain, best first; `<domain>_global_ids` split them by domain.
@@ -77,6 +85,21 @@ where = "ORG/NAME"  # its Hub repository, or the path of this folder
 chunks = load_dataset(where, split="train")  # config `chunks`, the default
 concepts = load_dataset(where, "concepts", split="train")
 field_guide = load_dataset(where, "field_guide", split="train")
+```
+
+A label group is left out with its flag (`is_tone`, `is_alignment`, `is_demographic`; content concepts have all
+three false): `concepts.filter(lambda c: not c["is_demographic"])`, in pandas `concepts[~concepts.is_demographic]`, in
+DuckDB `FROM 'concepts.parquet' WHERE NOT is_demographic`. To drop the group's labels from the chunks as well (each
+score goes with its id):
+
+```python
+dropped = set(concepts.filter(lambda c: c["is_demographic"])["concept_id"])
+
+def drop(chunk):
+    kept = [(g, p) for g, p in zip(chunk["concepts"], chunk["concept_scores"]) if g not in dropped]
+    return {{"concepts": [g for g, _ in kept], "concept_scores": [p for _, p in kept]}}
+
+chunks = chunks.map(drop).remove_columns("demographic_global_ids")
 ```
 """
 
@@ -92,6 +115,7 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
         raise NotOwned(f"export OUT {out}: inside the run directory {run.root}; choose a folder outside it")
     concepts, library = load_library(run)
     check_annotated(run, len(concepts))  # before OUT is touched: a damaged part must not cost the earlier export
+    shard_labels = count_summary(label_counts(run))  # the same: read (and checked) before OUT is touched
     claim(out, "export", "export OUT")  # a folder of the user's is refused here, before anything is written
     clear_owned(out, EXPORT_FILES, "export OUT")  # an earlier export: replaced whole, so no stale part survives
     counts, cooccurrence, total = _chunks_and_counts(run, out, len(concepts))
@@ -99,7 +123,8 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
         n_guide_rows = _field_guide(run, out, counts, spill)
 
     n = len(concepts)
-    rows = [{"concept_id": c["concept_id"], "type": c["domain"], "name": c["name"], "description": c["description"],
+    rows = [{"concept_id": c["concept_id"], "type": c["domain"], **domain_flags(c["domain"]), "name": c["name"],
+             "description": c["description"],
              "taxonomy_path": c["taxonomy_path"], "chunk_count": int(counts[c["concept_id"]]),
              "prevalence": float(counts[c["concept_id"]] / max(total, 1))} for c in concepts]
     atomic_write_parquet(out / "concepts.parquet", pa.Table.from_pylist(rows, schema=CONCEPTS_SCHEMA))
@@ -115,7 +140,7 @@ def export_release(run_dir: str | Path, out: str | Path) -> dict:
                            ids_per_row=FIELD_GUIDE_IDS_PER_ROW)
     atomic_write_bytes(out / "README.md", (front_matter(RELEASE_CONFIGS) + "\n" + readme).encode())
     summary = {"chunks": total, "concepts": n, "concepts_used": int((counts > 0).sum()),
-               "cooccurrence_nonzeros": int(cooccurrence.nnz), "out": str(out)}
+               "cooccurrence_nonzeros": int(cooccurrence.nnz), "label_counts": shard_labels, "out": str(out)}
     atomic_write_json(out / "export.json", summary)
     return summary
 

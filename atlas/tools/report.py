@@ -246,7 +246,8 @@ def _annotator(run) -> str:
              m.get("reliability", {}).get("ece")] for name, m in scored]
     retrieval = _table(["held-out", "labels", "positives", *[f"recall@{k}" for k in ks], "PR-AUC", "ECE"], rows)
     domains = metrics.get("domains", {})
-    rules = _table(["domain", "threshold", "cap", "criterion", "recall", "precision ≥", "F1 ≥", "labels / chunk"],
+    rules = _table(["domain", "threshold", "cap", "criterion", "recall", "precision ≥", "F1 ≥",
+                    "held-out labels / chunk"],
                    [[d, r.get("threshold"), r.get("cap"), r.get("criterion"), domains.get(d, {}).get("recall"),
                      domains.get(d, {}).get("precision_lower_bound"), domains.get(d, {}).get("f1_lower_bound"),
                      domains.get(d, {}).get("mean_predicted_per_chunk")] for d, r in metrics.get("rules", {}).items()])
@@ -255,9 +256,44 @@ def _annotator(run) -> str:
     judged = _kv(judge, skip=("score_counts",)) if judge else ""
     return (f"{_kv(about)}<h3>Held-out retrieval vs baselines</h3>{retrieval}<h3>Decision rule</h3>"
             f"<p>a label is given when its calibrated probability passes the threshold, at most cap per chunk "
-            f"(precision and F1 are lower bounds: unlabelled positives count as errors).</p>{rules}"
+            f"(precision and F1 are lower bounds: unlabelled positives count as errors). These figures are the "
+            f"annotator's on its {_fmt(metrics.get('heldout_chunks') or 0)} held-out chunks, an estimate: what the "
+            f"annotated shards hold is under <a href=\"#shards\">Labels in the shards</a>.</p>{rules}"
             f"{'<h3>Relevance judge of the predictions</h3>' + judged if judged else ''}"
             f"{_annotator_curves(metrics)}")
+
+
+def _shard_labels(run, samples_per_label: int = 3, seed: int = 0) -> str:
+    """What the annotated parts hold, counted in them (atlas.io.annotated), and a random sample of the chunks of every
+    sensitive label that occurs, for a person to check."""
+    from atlas.io.annotated import ALL, label_counts, sample_chunks
+    from atlas.io.library import load_library
+    from atlas.tools.labels import COUNT_HEADER, count_rows, sensitive_labels
+
+    counts = label_counts(run)
+    concepts = load_library(run)[0]
+    parts = [f"<p>Counted in the annotated parts (<code>{html.escape(layout.ANNOTATED)}/part-*.parquet</code>), "
+             "the labels a trainer reads: per label domain and data domain, the chunks with at least one label of "
+             "that domain, their share, and labels per chunk (over all the chunks of the data domain). The "
+             "annotator's own figures above are on its held-out chunks.</p>",
+             _table(COUNT_HEADER, count_rows(counts))]
+    carried = {domain: cells[ALL]["per_label"] for domain, cells in counts.items()}
+    shown = [c for c in sensitive_labels(run, concepts) if carried.get(c["domain"], {}).get(c["concept_id"])]
+    parts.append("<h3>Sensitive labels: a sample to check by hand</h3>")
+    if not shown:
+        parts.append("<p>No chunk carries a sensitive label (demographic, alignment or emotional tone).</p>")
+        return "".join(parts)
+    parts.append(f"<p>Every demographic and alignment label, and every emotional tone, that a chunk carries: up to "
+                 f"{samples_per_label} of its chunks drawn at random (seed {seed}), with the label's score. "
+                 "<code>atlas inspect RUN shard-labels --label NAME -n 10 --random SEED</code> draws more.</p>")
+    samples = sample_chunks(run, [c["concept_id"] for c in shown], samples_per_label, seed, chars=300)
+    for domain in dict.fromkeys(c["domain"] for c in shown):
+        rows = [[c["name"], carried[domain][c["concept_id"]], chunk["chunk_id"], chunk["domain"], chunk["data_src"],
+                 round(chunk["score"], 3), _Html(html.escape(chunk["text"]))]  # escaped here: _cell would cut it
+                for c in shown if c["domain"] == domain for chunk in samples[c["concept_id"]]]
+        parts.append(f"<h4>{html.escape(domain)}</h4>")
+        parts.append(_table(["label", "chunks", "chunk", "data domain", "source", "score", "text"], rows))
+    return "".join(parts)
 
 
 def _annotator_curves(metrics: dict) -> str:
@@ -418,6 +454,7 @@ def write_html_report(run_root) -> Path:
         ("drops", "Drops and rejects", _drops(run, recorded, names)),
         ("library", "Concept library", _plots(run, recorded, "library") + done("library", _concepts)),
         ("annotator", "Concept annotator", done("train_annotator", _annotator) + _plots(run, recorded, "annotator")),
+        ("shards", "Labels in the shards", done("annotate", _shard_labels)),
         ("judge", "Relevance judge and evaluations", _plots(run, recorded, "judge") + _evaluations(run)),
         ("index", "Search index", done("index", _index)),
         ("cblm", "Concept-bottleneck LM", _cblm(run)),
