@@ -366,7 +366,7 @@ def cmd_annotate_text(args) -> int:
     texts = args.text or [sys.stdin.read()]
     embeddings = annotator.embedder.encode(texts)
     probs = annotator.probabilities(embeddings)
-    for text, decided, i in zip(texts, annotator.decide(probs), range(len(texts))):
+    for text, decided, i in zip(texts, annotator.decide(probs, embeddings), range(len(texts))):
         print("-" * 100)
         _print_text(text, 300)
         for domain, labels in decided.items():

@@ -14,7 +14,7 @@ groups, AG News World), each chunked as Atlas chunks. Two deciders, each beside 
   stands ``aux_min_z`` standard deviations above its mean over the chunks.
 - ``annotator`` (with ``--run``): the run's trained annotator, as the annotate stage writes its labels into the
   shards. Baseline ``domain-threshold``: the same annotator with each domain's threshold alone (no label's own
-  threshold against the null).
+  threshold against the null, no withholding on a chunk that reads like the null).
 
 Per set and domain: the share of chunks with at least one label (demographic, alignment, an emotional tone, any
 tone that is not expository), and per positive set the recall of its expected labels (``label_hint``: a chunk
@@ -76,13 +76,15 @@ def annotator_labels(run: Path, config: AtlasConfig, texts: list[str], null_chec
 
     annotator = Annotator(run / "annotator").setup()
     if not null_check:
+        annotator.spec.null_nearest = None
         for v in annotator.spec.domains.values():
             v.pop("label_thresholds", None)
     model = annotator.spec.encoder
     if (run / "annotator" / model).is_dir():  # fine-tuned: its own encoder
         decided = annotator.annotate(texts)
     else:
-        decided = annotator.decide(annotator.probabilities(_encoded(model, tuple(texts))))
+        embeddings = _encoded(model, tuple(texts))
+        decided = annotator.decide(annotator.probabilities(embeddings), embeddings)
     out = {}
     for d in configured_domains(config):
         offset = annotator.spec.domains[d.name]["offset"]

@@ -239,3 +239,24 @@ def test_the_null_is_neutral_text_the_demo_does_not_hold(demo_records):
     first, second, long = "one paragraph of docs " * 3, "and another paragraph " * 3, "word " * 200
     assert pieces(f"{first}\n\n{second}\n\n{long}\n\nshort", words=30) == [
         f"{first.strip()}\n\n{second.strip()}", long.strip()]  # packed up to the size; a long paragraph stays whole
+
+
+def test_a_chunk_that_reads_like_the_null_gets_no_null_checked_label(trained):
+    """The annotator saves the null as its encoder sees it; a chunk at null_nearest or more from a null text gets
+    no null-checked label (as the targets stage), an expository tone still may."""
+    from atlas.io.neutral_text import neutral_texts
+    from atlas.models.annotator import NULL_FILE, Annotator, withhold_like_null
+
+    config, run = trained
+    folder = run.output_dir("annotator")
+    annotator = Annotator(folder).setup()
+    null = np.load(folder / NULL_FILE)
+    assert null.shape == (len(neutral_texts()), annotator.spec.dim)
+    assert annotator.spec.null_nearest == config.annotator.aux_null_nearest
+    texts = list(neutral_texts())[:3]
+    assert annotator.reads_like_null(annotator.embedder.encode(texts)).all()  # a null text is its own neighbour
+    tone = annotator.spec.domains["tone"]
+    probs = np.ones((2, tone["size"]), np.float32)
+    kept = withhold_like_null(probs, tone, np.array([True, False]))
+    checked = np.array(tone["label_thresholds"]) > 0
+    assert (kept[0][checked] == 0).all() and (kept[0][~checked] == 1).all() and (kept[1] == 1).all()

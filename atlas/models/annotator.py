@@ -56,6 +56,7 @@ from torch import nn
 from torch.nn import functional as F
 
 ANNOTATOR_FORMAT = 1
+NULL_FILE = "null_embeddings.npy"  # the null's texts (atlas.io.neutral_text) as the encoder embeds them, float16
 RETRAIN = "retrain the annotator (atlas run CONFIG --force --stages train_annotator)"
 
 
@@ -266,6 +267,16 @@ def decide(probs: np.ndarray, threshold: float | np.ndarray, cap: int) -> list[l
     return [[(int(j), float(row[j])) for j in order if row[j] >= needed[j]] for row, order in zip(probs, top)]
 
 
+def withhold_like_null(probs: np.ndarray, domain: dict, like_null: np.ndarray | None) -> np.ndarray:
+    """``probs`` of one domain with the null-checked labels (a positive ``label_thresholds`` entry) set to 0 on the
+    rows that read like the null: on text of the null's kind these labels abstain, as the targets stage's do."""
+    own = domain.get("label_thresholds")
+    if like_null is None or own is None or not np.any(like_null):
+        return probs
+    checked = np.asarray(own, np.float64) > 0
+    return np.where(np.asarray(like_null, bool)[:, None] & checked[None, :], 0.0, probs).astype(probs.dtype)
+
+
 def label_thresholds(domain: dict) -> float | np.ndarray:
     """What each label of a domain (an entry of ``AnnotatorSpec.domains``) must reach: the domain's threshold, or a
     label's own where that is higher (``label_thresholds``: an auxiliary label calibrated against the null)."""
@@ -289,6 +300,9 @@ class AnnotatorSpec:
     domains: dict[str, dict]
     library_sha256: str = ""
     format: int = ANNOTATOR_FORMAT
+    # a chunk whose nearest null text (NULL_FILE, in the encoder's space) is at this cosine or more reads like the
+    # null: its null-checked auxiliary labels are withheld (None: no null was saved)
+    null_nearest: float | None = None
 
     def aux_sizes(self) -> dict[str, int]:
         return {d: v["size"] for d, v in self.domains.items() if d != "content"}
@@ -353,6 +367,7 @@ class Annotator:
         self.device, self.batch_size = device, batch_size
         self.heads: AnnotatorHeads | None = None
         self.embedder = None
+        self.null: np.ndarray | None = None
 
     def setup(self) -> Annotator:
         from atlas.models.embedder import Embedder
@@ -424,15 +439,30 @@ class Annotator:
         the probability that the chunk carries the label as a known positive."""
         return {d: calibrate(z, self.spec.domains[d]["calibration"]) for d, z in self.logits(embeddings).items()}
 
-    def decide(self, probs: dict[str, np.ndarray]) -> list[dict[str, list[tuple[int, float]]]]:
-        """Per row, per domain: [(global id, probability)] after the domain's threshold and cap."""
+    def reads_like_null(self, embeddings: np.ndarray) -> np.ndarray | None:
+        """Per row, whether the chunk's nearest null text is at ``null_nearest`` or more (None: no null saved)."""
+        if self.spec.null_nearest is None or not (self.folder / NULL_FILE).is_file():
+            return None
+        if self.null is None:
+            self.null = np.load(self.folder / NULL_FILE, allow_pickle=False).astype(np.float32)
+        if len(embeddings) == 0 or len(self.null) == 0:
+            return np.zeros(len(embeddings), dtype=bool)
+        return (np.asarray(embeddings, np.float32) @ self.null.T).max(axis=1) >= self.spec.null_nearest
+
+    def decide(self, probs: dict[str, np.ndarray], embeddings: np.ndarray | None = None
+               ) -> list[dict[str, list[tuple[int, float]]]]:
+        """Per row, per domain: [(global id, probability)] after the domain's threshold and cap; with the rows'
+        ``embeddings``, a row that reads like the null gets no null-checked auxiliary label."""
         n = len(next(iter(probs.values())))
+        like_null = None if embeddings is None else self.reads_like_null(embeddings)
         out = [{} for _ in range(n)]
         for domain, v in self.spec.domains.items():
-            for row, labels in zip(out, decide(probs[domain], label_thresholds(v), v["cap"])):
+            kept = withhold_like_null(probs[domain], v, like_null)
+            for row, labels in zip(out, decide(kept, label_thresholds(v), v["cap"])):
                 row[domain] = [(v["offset"] + j, p) for j, p in labels]
         return out
 
     def annotate(self, texts: list[str]) -> list[dict[str, list[tuple[int, float]]]]:
         self.setup()
-        return self.decide(self.probabilities(self.embedder.encode(texts)))
+        embeddings = self.embedder.encode(texts)
+        return self.decide(self.probabilities(embeddings), embeddings)

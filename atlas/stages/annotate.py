@@ -34,7 +34,7 @@ from atlas.core.stats import Stats
 from atlas.io import layout
 from atlas.io.embedding_store import ID_ARRAYS, create_store, finish, write_rows
 
-ANNOTATE_VERSION = 1
+ANNOTATE_VERSION = 2
 SOURCE_FILE = "_source.json"  # in RUN/annotator/ of a run with annotate.annotator_from
 CHUNK_COLUMNS = ("chunk_text", *ID_ARRAYS)  # what a chunk part must hold for this stage (all of it is copied)
 
@@ -140,7 +140,7 @@ class AnnotateStage(Stage):
             for batch in source.iter_batches(batch_size=self.config.annotate.block_rows):
                 table = pa.Table.from_batches([batch])
                 embeddings = self.annotator.embedder.encode(table.column("chunk_text").to_pylist())
-                decided = self.annotator.decide(self.annotator.probabilities(embeddings))
+                decided = self.annotator.decide(self.annotator.probabilities(embeddings), embeddings)
                 writer.write_table(self._annotated(table, decided, domains, schema, stats))
                 vectors.append(embeddings.astype(np.float16))
                 for name in ID_ARRAYS:

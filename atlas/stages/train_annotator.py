@@ -23,7 +23,9 @@ per label (``annotator.label_frequency``). Then, on the held-out split:
   domains ``annotator.aux_min_probability`` (0.5: a tone, demographic or alignment label only when it
   is more likely than not, so many chunks get none) and, for every label but the expository tones, the
   probability the null's neutral texts reach (``atlas.io.neutral_text``; ``annotator.aux_null_quantile``): a
-  label that fires on API documentation or a licence would fire on the corpus' technical text too. The cap
+  label that fires on API documentation or a licence would fire on the corpus' technical text too; and, as in
+  the targets stage, a chunk whose nearest null text is at ``annotator.aux_null_nearest`` or more gets none of
+  those labels (the null's embeddings are saved beside the model). The cap
   (``annotator.max_caps``) only bounds the labels per chunk; ``annotator.thresholds`` and ``annotator.caps`` fix
   either per domain;
 - **metrics**: the model is measured next to two baselines that need no training: kNN over concept
@@ -34,6 +36,7 @@ per label (``annotator.label_frequency``). Then, on the held-out split:
   calibration with reliability bins, and the labels-per-chunk distribution of the rule.
 
     annotator/model.safetensors, config.json     the model (see atlas.models.annotator); encoder/ when fine-tuned
+    annotator/null_embeddings.npy                the null's texts as the encoder embeds them (float16)
     annotator/metrics.json                       held-out metrics, baselines, rule, training history
     annotator/calibration.parquet                per label: held-out positives, observed rate, mean probability
     annotator/heldout_predictions.parquet        chunk_id, domain, targets, concepts, concept_scores
@@ -49,7 +52,14 @@ import numpy as np
 import pyarrow as pa
 
 from atlas.core.extras import llm_extras
-from atlas.core.files import atomic_write_json, atomic_write_parquet, read_parquet, sha256_bytes, stable_hash
+from atlas.core.files import (
+    atomic_write_json,
+    atomic_write_npy,
+    atomic_write_parquet,
+    read_parquet,
+    sha256_bytes,
+    stable_hash,
+)
 from atlas.core.rundir import RunDir
 from atlas.core.stage import Stage
 from atlas.core.stats import Stats
@@ -71,7 +81,7 @@ from atlas.models.pu_metrics import (
 if TYPE_CHECKING:  # scipy comes with the library extra: imported where it is used
     from scipy import sparse
 
-TRAIN_VERSION = 3
+TRAIN_VERSION = 4
 DEFAULT_CAP = 10  # the cap of a domain missing from annotator.max_caps
 KNN_NEIGHBOURS = 20
 PREDICTIONS_SCHEMA = pa.schema(
@@ -158,6 +168,7 @@ class TrainAnnotatorStage(Stage):
         import torch
 
         from atlas.models.annotator import (
+            NULL_FILE,
             AnnotatorHeads,
             AnnotatorSpec,
             calibrate,
@@ -207,7 +218,7 @@ class TrainAnnotatorStage(Stage):
         stored = {d: {k: calibration[d][k] for k in ("method", "a", "b")} for d in offsets}
         probs = {d: calibrate(logits[d], stored[d]) for d in offsets}  # what Annotator.probabilities gives
         rules = {d: self._rule(d, probs[d], truth[d]) for d in offsets}
-        null = self._null_thresholds(run, heads, encoder, stored, stats)
+        null, null_vectors = self._null_thresholds(run, heads, encoder, stored, stats)
         spec = AnnotatorSpec(
             encoder="encoder" if encoder is not None else a.encoder, dim=int(embeddings.shape[1]), hidden=a.hidden,
             dropout=a.dropout,
@@ -215,22 +226,30 @@ class TrainAnnotatorStage(Stage):
             domains={d: {"offset": offsets[d], "size": sizes[d], "threshold": rules[d]["threshold"],
                          "cap": rules[d]["cap"], "calibration": stored[d]}
                      | ({"label_thresholds": null[d]} if d in null else {}) for d in offsets},
+            null_nearest=a.aux_null_nearest,
         )
+        # held-out chunks that read like the null get no null-checked label, as in the annotate stage (the decision
+        # only: the ranking metrics read the probabilities)
+        like_null = (held @ null_vectors.T).max(axis=1) >= a.aux_null_nearest
+        stats.inc("heldout_like_null", int(like_null.sum()))
         folder = run.output_dir(self.output)
         metrics = self._evaluate(run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table,
-                                 concepts, stats)
+                                 concepts, stats, like_null)
         for d, m in metrics["domains"].items():
             self._add_calibration(m, logits[d], truth[d], calibration[d], crossed[d], probs[d])
         metrics |= {"rules": rules, "history": history, "priors_mean": {d: float(p.mean()) for d, p in priors.items()},
                     "mode": a.mode, "encoder": a.encoder, "device": self.device}
         atomic_write_json(folder / "metrics.json", metrics)
         save_annotator(folder, heads, spec, encoder)
+        atomic_write_npy(folder / NULL_FILE, null_vectors.astype(np.float16))
         self._plot(run, history, metrics)
         return stats
 
-    def _null_thresholds(self, run: RunDir, heads, encoder, calibration: dict, stats: Stats) -> dict[str, list]:
+    def _null_thresholds(self, run: RunDir, heads, encoder, calibration: dict, stats: Stats
+                         ) -> tuple[dict[str, list], np.ndarray]:
         """Per auxiliary domain, per label, the probability a chunk must reach to beat the null: just above what
-        the null's texts reach (``null_thresholds``), 0 for an expository label (the domain's threshold decides)."""
+        the null's texts reach (``null_thresholds``), 0 for an expository label (the domain's threshold decides);
+        and the null's embeddings (what the annotate stage compares each chunk with)."""
         import torch
 
         from atlas.models.annotator import calibrate
@@ -250,7 +269,7 @@ class TrainAnnotatorStage(Stage):
             # decide keeps a probability >= its threshold: the next float up, so a score equal to the null's is out
             above = np.where(domain.null_checked, np.nextafter(reached.astype(np.float64), np.inf), 0.0)
             out[domain.name] = [float(t) for t in above]
-        return out
+        return out, vectors
 
     def _rule(self, domain: str, probs: np.ndarray, truth) -> dict:
         """A domain's threshold and safety cap on calibrated held-out probabilities (see the module docstring)."""
@@ -370,14 +389,14 @@ class TrainAnnotatorStage(Stage):
     # --- evaluation ------------------------------------------------------------------------------
 
     def _evaluate(self, run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table, concepts,
-                  stats) -> dict:
-        from atlas.models.annotator import decide, label_thresholds
+                  stats, like_null) -> dict:
+        from atlas.models.annotator import decide, label_thresholds, withhold_like_null
 
         a = self.config.annotator
         metrics: dict = {"heldout_chunks": int(heldout.sum()), "train_chunks": int(train.sum()), "domains": {}}
         decided = {}
         for d, v in spec.domains.items():
-            decided[d] = decide(probs[d], label_thresholds(v), v["cap"])
+            decided[d] = decide(withhold_like_null(probs[d], v, like_null), label_thresholds(v), v["cap"])
             metrics["domains"][d] = ranking_metrics(probs[d], truth[d], decided[d])
             metrics["domains"][d] |= {"labels_per_chunk": labels_per_chunk(decided[d], v["cap"]),
                                       "median_predicted_score": median_predicted_score(decided[d])}
