@@ -464,20 +464,10 @@ def cmd_judge(args) -> int:
 
 
 def _run_config(run, manifest: dict):
-    """The config the run's manifest records, for the run directory as it is now (moved or not); one that cannot
-    be read is an ArtifactError that names the manifest."""
-    from atlas.config import ConfigError, config_from_dict
-    from atlas.core.files import ArtifactError
+    """The config the run's manifest records, for the run directory as it is now (moved or not)."""
+    from atlas.tools.labels import run_config
 
-    fix = ("the manifest was edited, damaged or written by another Atlas version: restore it from a copy, or move it "
-           "aside and rerun `atlas run CONFIG` (finished stages are found again from their _SUCCESS markers)")
-    if not isinstance(manifest.get("config"), dict):
-        raise ArtifactError(f"{run.manifest_path}: no config; {fix}")
-    try:
-        return config_from_dict(dict(manifest["config"], run_dir=str(run.root.resolve())))
-    except ConfigError as e:
-        raise ArtifactError(f"{run.manifest_path}: its config is not valid ({' '.join(str(e).split())}); {fix}") \
-            from None
+    return run_config(run)
 
 
 def cmd_eval(args) -> int:

@@ -277,9 +277,8 @@ class AnnotatorConfig(Section):
     # Offline, a label that may describe such text (a tone marked "expository": technical, neutral, ...) applies
     # when its similarity is aux_min_z standard deviations above its mean over the reservoir; every label needs
     # a similarity of at least aux_min_similarity.
-    # Offline, a chunk whose nearest null text is at cosine aux_null_nearest or more reads like the null (a licence
-    # clause, an API reference) and gets none of these labels (on the dev corpus' weak positives, 95% of the
-    # chunks are below 0.28; the technical sets' medians are 0.35-0.52, maths' 0.22: docs/quality.md).
+    # A chunk whose nearest null text is at cosine aux_null_nearest or more reads like the null (a licence clause,
+    # an API reference) and gets none of these labels: on such text a label's score is noise (docs/quality.md).
     aux_null_quantile: float = Field(default=1.0, ge=0.5, le=1)
     aux_null_nearest: float = Field(default=0.4, gt=0, le=1)
     aux_min_z: float = Field(default=2.0, ge=-10, le=10)

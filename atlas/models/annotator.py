@@ -443,11 +443,11 @@ class Annotator:
         """Per row, whether the chunk's nearest null text is at ``null_nearest`` or more (None: no null saved)."""
         if self.spec.null_nearest is None or not (self.folder / NULL_FILE).is_file():
             return None
+        from atlas.models.auxiliary import reads_like_null
+
         if self.null is None:
             self.null = np.load(self.folder / NULL_FILE, allow_pickle=False).astype(np.float32)
-        if len(embeddings) == 0 or len(self.null) == 0:
-            return np.zeros(len(embeddings), dtype=bool)
-        return (np.asarray(embeddings, np.float32) @ self.null.T).max(axis=1) >= self.spec.null_nearest
+        return reads_like_null(np.asarray(embeddings, np.float32), self.null, self.spec.null_nearest)
 
     def decide(self, probs: dict[str, np.ndarray], embeddings: np.ndarray | None = None
                ) -> list[dict[str, list[tuple[int, float]]]]:

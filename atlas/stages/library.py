@@ -92,7 +92,7 @@ from atlas.models.embedder import Embedder, embed_chunks, encode_cached
 from atlas.models.labeler import label_prompt, llm_labels, make_unique
 
 LIBRARY_VERSION = 8  # 4: config.json names the fields the concepts come from; 5: near_concept_id; 6: joined space
-# 7: near votes read in each chunk (near_votes.parquet); 8: is_tone, is_alignment, is_demographic in concepts.parquet
+# 7: near votes read in each chunk (near_votes.parquet); 8: the group flags (is_tone, ...) in concepts.parquet
 CHUNK_WORDS_SCHEMA = pa.schema([("idx", pa.int64()), ("word", pa.string())])
 LIFTED_KEPT = 10
 MAX_PASSES_PER_TAU = 3

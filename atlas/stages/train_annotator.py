@@ -67,7 +67,7 @@ from atlas.io import layout
 from atlas.io.chunks import read_chunks
 from atlas.io.library import load_library
 from atlas.io.neutral_text import neutral_texts
-from atlas.models.auxiliary import configured_domains, list_hashes, null_thresholds
+from atlas.models.auxiliary import configured_domains, list_hashes, null_thresholds, reads_like_null
 from atlas.models.embedder import Embedder, encode_cached, use_stage_threads
 from atlas.models.pu_metrics import (
     best_f1_threshold,
@@ -230,7 +230,7 @@ class TrainAnnotatorStage(Stage):
         )
         # held-out chunks that read like the null get no null-checked label, as in the annotate stage (the decision
         # only: the ranking metrics read the probabilities)
-        like_null = (held @ null_vectors.T).max(axis=1) >= a.aux_null_nearest
+        like_null = reads_like_null(held, null_vectors, a.aux_null_nearest)
         stats.inc("heldout_like_null", int(like_null.sum()))
         folder = run.output_dir(self.output)
         metrics = self._evaluate(run, spec, probs, truth, embeddings, labels, train, heldout, concept_init, table,

@@ -32,7 +32,8 @@ def run_config(run: RunDir):
     from atlas.config import ConfigError, config_from_dict
 
     config = run.read_manifest().get("config")
-    fix = "restore the manifest from a copy, or move it aside and rerun `atlas run CONFIG`"
+    fix = ("the manifest was edited, damaged or written by another Atlas version: restore it from a copy, or move it "
+           "aside and rerun `atlas run CONFIG` (finished stages are found again from their _SUCCESS markers)")
     if not isinstance(config, dict):
         raise ArtifactError(f"{run.manifest_path}: no config; {fix}")
     try:
